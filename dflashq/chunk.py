@@ -1,0 +1,84 @@
+"""Chunk: one RQ job = several tokenized, loss-masked samples packed up to a token budget (one GPU batch).
+
+A chunk never carries raw text. Token ids travel as base64 little-endian int32 and loss masks as base64 uint8,
+inside the JSON job arguments (RQ's JSON serializer), which is about 4x smaller and 10x faster than int lists.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+
+import numpy as np
+
+from dflashq.exceptions import JobRefused
+
+
+@dataclasses.dataclass
+class Sample:
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] uint8, 1 on tokens the drafter learns (assistant turns)
+    index: int = -1  # position of the sample in the dataset, for reports
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def chunk_id(run: str, data_fingerprint: str, epoch: int, first: int, last: int) -> str:
+    """Deterministic job id: the same data, epoch and sample range always name the same chunk (and blob)."""
+    return f"{run}-e{epoch}-{data_fingerprint[:12]}-{first:09d}-{last:09d}"
+
+
+@dataclasses.dataclass
+class Chunk:
+    id: str
+    epoch: int
+    samples: list[Sample]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.samples)
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "epoch": self.epoch,
+            "samples": [
+                {
+                    "index": s.index,
+                    "input_ids": base64.b64encode(np.ascontiguousarray(s.input_ids, dtype="<i4").tobytes()).decode(),
+                    "loss_mask": base64.b64encode(np.ascontiguousarray(s.loss_mask, dtype=np.uint8).tobytes()).decode(),
+                }
+                for s in self.samples
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Chunk":
+        try:
+            samples = []
+            for s in data["samples"]:
+                ids = np.frombuffer(base64.b64decode(s["input_ids"]), dtype="<i4").astype(np.int32)
+                mask = np.frombuffer(base64.b64decode(s["loss_mask"]), dtype=np.uint8).copy()
+                if ids.shape != mask.shape:
+                    raise ValueError("input_ids and loss_mask lengths differ")
+                samples.append(Sample(ids, mask, int(s.get("index", -1))))
+            return cls(str(data["id"]), int(data["epoch"]), samples)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise JobRefused(f"malformed chunk payload: {exc}") from None
+
+
+def pack(samples: list[Sample], chunk_tokens: int) -> list[list[Sample]]:
+    """Greedy, order-preserving packing into groups of at most `chunk_tokens` tokens (deterministic)."""
+    groups: list[list[Sample]] = []
+    current: list[Sample] = []
+    size = 0
+    for sample in samples:
+        if current and size + len(sample) > chunk_tokens:
+            groups.append(current)
+            current, size = [], 0
+        current.append(sample)
+        size += len(sample)
+    if current:
+        groups.append(current)
+    return groups

