@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -68,17 +69,15 @@ class Chunk:
             raise JobRefused(f"malformed chunk payload: {exc}") from None
 
 
-def pack(samples: list[Sample], chunk_tokens: int) -> list[list[Sample]]:
+def pack(samples: Iterable[Sample], chunk_tokens: int) -> Iterator[list[Sample]]:
     """Greedy, order-preserving packing into groups of at most `chunk_tokens` tokens (deterministic)."""
-    groups: list[list[Sample]] = []
     current: list[Sample] = []
     size = 0
     for sample in samples:
         if current and size + len(sample) > chunk_tokens:
-            groups.append(current)
+            yield current
             current, size = [], 0
         current.append(sample)
         size += len(sample)
     if current:
-        groups.append(current)
-    return groups
+        yield current

@@ -41,6 +41,11 @@ class Keys:
         return f"{self.prefix}epoch_total:{epoch}"
 
     @property
+    def finished(self) -> str:
+        """Set of chunk ids whose blob has been written and announced (a set: a re-run chunk counts once)."""
+        return self.prefix + "finished"
+
+    @property
     def results(self) -> str:
         """Stream of finished blobs (XADD by workers, consumer group by the trainer). Never trimmed by length."""
         return self.prefix + "results"

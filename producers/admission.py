@@ -9,6 +9,8 @@ optimistic transaction (WATCH/MULTI), so two producers together never exceed the
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable
 
 import redis
 from rq import Queue
@@ -47,7 +49,7 @@ def build_job(queue: Queue, chunk: Chunk, job_timeout: int):
 
 
 class Admission:
-    def __init__(self, conn: redis.Redis, run: str, store: Store, max_backlog: int, max_store_bytes: int, job_timeout: int):
+    def __init__(self, conn: redis.Redis, run: str, store: Store, max_backlog: int, max_store_bytes: int, job_timeout: int, poll_seconds: float = 0.5):
         self.conn = conn
         self.keys = Keys(run)
         self.store = store
@@ -55,6 +57,7 @@ class Admission:
         self.max_backlog = max_backlog
         self.max_store_bytes = max_store_bytes
         self.job_timeout = job_timeout
+        self.poll_seconds = poll_seconds
 
     def backlog(self) -> int:
         return int(self.conn.scard(self.keys.inflight))
@@ -87,3 +90,11 @@ class Admission:
                     return Outcome.ADMITTED
                 except redis.WatchError:
                     continue  # another producer or the trainer changed the backlog: decide again
+
+    def admit(self, chunk: Chunk, on_wait: Callable[[], None] | None = None) -> Outcome:
+        """Admit `chunk`, waiting while the run is over a backpressure limit."""
+        while (outcome := self.try_admit(chunk)) is Outcome.WAIT:
+            if on_wait:
+                on_wait()
+            time.sleep(self.poll_seconds)
+        return outcome

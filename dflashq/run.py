@@ -1,0 +1,39 @@
+"""A run as every part sees it: settings, Redis connection, results store, key names, and the joined manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import redis
+
+from dflashq import manifest
+from dflashq.connection import connect
+from dflashq.keys import Keys
+from dflashq.layer_ids import resolve_layer_ids
+from dflashq.settings import Settings
+from dflashq.store import Store
+
+
+@dataclasses.dataclass
+class Run:
+    settings: Settings
+    conn: redis.Redis
+    store: Store
+    keys: Keys
+    manifest: dict
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.manifest["layer_ids"])
+
+    @classmethod
+    def open(cls, settings: Settings, data_fingerprint: str | None = None, join: bool = True) -> "Run":
+        """Connect and join the run; `join=False` only reads (status, dashboards) and never writes the manifest."""
+        conn = connect(settings.redis.url)
+        store = Store(settings.store.path, settings.run)
+        keys = Keys(settings.run)
+        if not join:
+            return cls(settings, conn, store, keys, manifest.read(conn, settings.run))
+        layer_ids = resolve_layer_ids(settings.model.path, settings.model.layer_ids, settings.train.num_layers) if settings.model.path else None
+        joined = manifest.join(conn, store, manifest.expected(settings, layer_ids, data_fingerprint))
+        return cls(settings, conn, store, keys, joined)

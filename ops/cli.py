@@ -1,0 +1,139 @@
+"""The `dflashq` command line: a thin layer over the Python API of producers/, workers/, trainer/ and ops/."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from dflashq import settings as settings_module
+from dflashq.connection import redact
+from dflashq.exceptions import DflashqError
+from dflashq.run import Run
+from ops import redis_server, status as status_module
+
+console = Console()
+
+
+class Cli(click.Group):
+    """Errors a user can cause end in one sentence and an exit code, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DflashqError as exc:
+            click.echo(f"dflashq: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except redis.ConnectionError as exc:
+            click.echo(f"dflashq: lost the connection to Redis ({exc}): check that it is running, then run the command again.", err=True)
+            ctx.exit(2)
+
+
+def run_options(func):
+    """--config, --set and the most used keys as their own flags; each maps onto a settings key."""
+
+    @click.option("--config", "-c", type=click.Path(dir_okay=False), envvar="DFLASHQ_CONFIG", help="Run configuration TOML file.")
+    @click.option("--set", "-s", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help="Override any setting (repeatable).")
+    @click.option("--run", "run_name", help="Run name (key `run`).")
+    @click.option("--redis-url", help="Redis URL (key redis.url); empty: the run's embedded Redis.")
+    @click.option("--store", help="Store directory or fsspec URL (key store.path).")
+    @click.option("--model", help="Target model folder (key model.path).")
+    @functools.wraps(func)
+    def wrapper(config, sets, run_name, redis_url, store, model, **kwargs):
+        overrides = []
+        for item in sets:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise click.BadParameter(f"'{item}' is not SECTION.KEY=VALUE", param_hint="--set")
+            overrides.append((key.strip(), value))
+        for key, value in (("run", run_name), ("redis.url", redis_url), ("store.path", store), ("model.path", model)):
+            if value is not None:
+                overrides.append((key, value))
+        return func(settings_module.load(config, overrides), **kwargs)
+
+    return wrapper
+
+
+def open_run(settings, data_fingerprint=None, join=True) -> Run:
+    settings.redis.url = redis_server.resolve_url(settings)
+    return Run.open(settings, data_fingerprint=data_fingerprint, join=join)
+
+
+@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dflashq")
+def main():
+    """dflashq: extract target hidden states with Transformers GPU workers over Redis/RQ and train DFlash drafters."""
+
+
+# --- produce ------------------------------------------------------------------------------------------------
+@main.command()
+@run_options
+@click.argument("inputs", nargs=-1, type=click.Path())
+@click.option("--epochs", type=int, help="Epochs to admit (default: train.epochs with retention=delete, else 1).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs, CI).")
+def produce(settings, inputs, epochs, no_progress):
+    """Tokenize conversations and admit prompt chunks to the queue, under the backlog limits."""
+    from producers.produce import produce as run_produce
+    from producers.records import data_fingerprint
+
+    if inputs:
+        settings.data.paths = list(inputs)
+    run = open_run(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+    report = run_produce(run, epochs=epochs, progress=not no_progress)
+    table = Table(title=f"produced into run '{settings.run}'", show_header=False)
+    for field in ("records", "kept", "rejected", "truncated", "dropped_too_long", "dropped_few_supervised",
+                  "chunks", "admitted", "duplicates", "already_stored", "tokens"):
+        table.add_row(field.replace("_", " "), str(getattr(report, field)))
+    table.add_row("tokens/s", f"{report.tokens_per_second:,.0f}")
+    if report.rejected:
+        table.add_row("rejects file", run.store.path(settings.data.rejects_file))
+        table.add_row("reject reasons", ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items())))
+    console.print(table)
+
+
+# --- status -------------------------------------------------------------------------------------------------
+@main.command()
+@run_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable interface, see README).")
+def status(settings, as_json):
+    """Chunks admitted / queued / started / finished / failed, backlog, store bytes, workers, trainer."""
+    run = open_run(settings, join=False)
+    data = status_module.collect(run)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    console.print(status_module.render(data, redact(settings.redis.url)))
+
+
+# --- redis --------------------------------------------------------------------------------------------------
+@main.group(name="redis", cls=Cli)
+def redis_group():
+    """The run's embedded Redis (used when no Redis URL is configured)."""
+
+
+@redis_group.command("start")
+@run_options
+def redis_start(settings):
+    """Start (or find) the run's embedded Redis and print its URL."""
+    click.echo(redis_server.EmbeddedRedis(settings.run_dir).ensure())
+
+
+@redis_group.command("stop")
+@run_options
+def redis_stop(settings):
+    """Stop the run's embedded Redis cleanly (its AOF keeps everything for the next start)."""
+    stopped = redis_server.EmbeddedRedis(settings.run_dir).stop()
+    click.echo("stopped" if stopped else "not running")
+
+
+def entry() -> None:
+    main(prog_name="dflashq")
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

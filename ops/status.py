@@ -1,0 +1,105 @@
+"""Run status as one dict: the stable JSON interface of `dflashq status --json` (documented in the README)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+from rq import Queue, Worker
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from dflashq.run import Run
+
+
+def run_queues(run: Run) -> list[Queue]:
+    """The run's shared queue and every per-worker queue of it."""
+    prefix = run.keys.shared_queue
+    return [
+        q for q in Queue.all(connection=run.conn, serializer=JSONSerializer)
+        if q.name == prefix or q.name.startswith(prefix + "-")
+    ]
+
+
+def _admitted(run: Run) -> int:
+    return sum(run.conn.scard(key) for key in run.conn.scan_iter(match=run.keys.admitted("*"), count=1000))
+
+
+def _workers(run: Run, queues: list[Queue]) -> list[dict]:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    progress = {k.decode(): json.loads(v) for k, v in run.conn.hgetall(run.keys.workers).items()}
+    seen, out = set(), []
+    for queue in queues:
+        for worker in Worker.all(queue=queue):
+            if worker.name in seen:
+                continue
+            seen.add(worker.name)
+            beat = worker.last_heartbeat
+            extra = progress.get(worker.name, {})
+            out.append({
+                "name": worker.name,
+                "state": worker.get_state(),
+                "current_chunk": worker.get_current_job_id(),
+                "chunks_done": worker.successful_job_count,
+                "chunks_failed": worker.failed_job_count,
+                "tokens_per_second": extra.get("tokens_per_second"),
+                "last_heartbeat_seconds_ago": round((now - beat.replace(tzinfo=datetime.timezone.utc)).total_seconds(), 1) if beat else None,
+                "paused": bool(run.conn.sismember(run.keys.paused, worker.name)),
+            })
+    return sorted(out, key=lambda w: w["name"])
+
+
+def _trainer(run: Run) -> dict:
+    raw = run.conn.hgetall(run.keys.trainer)
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+def collect(run: Run) -> dict:
+    settings = run.settings
+    queues = run_queues(run)
+    failed = [FailedJobRegistry(queue=q) for q in queues]
+    return {
+        "run": settings.run,
+        "chunks": {
+            "admitted": _admitted(run),
+            "queued": sum(q.count for q in queues),
+            "started": sum(StartedJobRegistry(queue=q).count for q in queues),
+            "finished": int(run.conn.scard(run.keys.finished)),
+            "failed": sum(r.count for r in failed),
+        },
+        "backlog": {"current": int(run.conn.scard(run.keys.inflight)), "limit": settings.backpressure.max_backlog},
+        "store": {"bytes": int(run.conn.get(run.keys.store_bytes) or 0), "limit": settings.backpressure.max_store_bytes},
+        "workers": _workers(run, queues),
+        "trainer": _trainer(run),
+    }
+
+
+def render(data: dict, redis_url: str):
+    """The human view of `collect()`: a rich renderable."""
+    from rich.console import Group
+    from rich.table import Table
+
+    chunks, backlog, store = data["chunks"], data["backlog"], data["store"]
+    head = Table(title=f"run '{data['run']}'  ({redis_url})", show_header=False)
+    head.add_row("chunks", "  ".join(f"{k} {v}" for k, v in chunks.items()))
+    full = backlog["current"] >= backlog["limit"]
+    head.add_row("backlog", f"{'[yellow]' if full else ''}{backlog['current']} / {backlog['limit']}")
+    head.add_row("store", f"{store['bytes'] / 1e9:.3f} / {store['limit'] / 1e9:.3f} GB")
+    parts = [head]
+    if data["workers"]:
+        workers = Table(title="workers")
+        for col in ("name", "state", "current chunk", "done", "failed", "tokens/s", "heartbeat"):
+            workers.add_column(col)
+        for w in data["workers"]:
+            tps = w["tokens_per_second"]
+            beat = w["last_heartbeat_seconds_ago"]
+            workers.add_row(w["name"], w["state"] + (" (paused)" if w["paused"] else ""), w["current_chunk"] or "-",
+                            str(w["chunks_done"]), str(w["chunks_failed"]), f"{tps:,.0f}" if tps else "-",
+                            f"{beat:.0f}s ago" if beat is not None else "-")
+        parts.append(workers)
+    if data["trainer"]:
+        trainer = Table(title="trainer", show_header=False)
+        for k, v in data["trainer"].items():
+            trainer.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+        parts.append(trainer)
+    return Group(*parts)
