@@ -35,7 +35,7 @@ BATCH_TOKENS = 16384
 HEARTBEAT_SECONDS = 5
 WORKER_TTL = 30  # a worker silent this long is dead; its chunk is re-queued
 JOB_TIMEOUT = 3600
-COMPRESS_LEVEL = 3
+COMPRESS_LEVEL = 1  # measured: on bf16 activations level 1 compresses as well as 3 and runs about 2x faster
 WRITER_THREADS = 4
 MAX_SPLITS = 4
 

@@ -37,3 +37,11 @@ class VerificationFailed(DflashqError):
     """`dflashq verify` found all-zero, non-finite or mismatched hidden states."""
 
     exit_code = 1
+
+
+class RejectedSample(Exception):
+    """One dataset record that cannot become a training sample; `reason` is a short, stable string for counting."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason

@@ -27,13 +27,15 @@ class Run:
         return list(self.manifest["layer_ids"])
 
     @classmethod
-    def open(cls, settings: Settings, data_fingerprint: str | None = None, join: bool = True) -> "Run":
-        """Connect and join the run; `join=False` only reads (status, dashboards) and never writes the manifest."""
+    def open(cls, settings: Settings, data_fingerprint: str | None = None, join: bool = True, with_layers: bool = True) -> "Run":
+        """Connect and join the run; `join=False` only reads (status, dashboards) and never writes the manifest.
+
+        `with_layers=False` is for the producer, which needs only the target's tokenizer, not its config."""
         conn = connect(settings.redis.url)
         store = Store(settings.store.path, settings.run)
         keys = Keys(settings.run)
         if not join:
             return cls(settings, conn, store, keys, manifest.read(conn, settings.run))
-        layer_ids = resolve_layer_ids(settings.model.path, settings.model.layer_ids, settings.train.num_layers) if settings.model.path else None
+        layer_ids = resolve_layer_ids(settings.model.path, settings.model.layer_ids, settings.train.num_layers) if settings.model.path and with_layers else None
         joined = manifest.join(conn, store, manifest.expected(settings, layer_ids, data_fingerprint))
         return cls(settings, conn, store, keys, joined)

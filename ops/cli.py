@@ -59,9 +59,9 @@ def run_options(func):
     return wrapper
 
 
-def open_run(settings, data_fingerprint=None, join=True) -> Run:
+def open_run(settings, **kwargs) -> Run:
     settings.redis.url = redis_server.resolve_url(settings)
-    return Run.open(settings, data_fingerprint=data_fingerprint, join=join)
+    return Run.open(settings, **kwargs)
 
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,7 +83,7 @@ def produce(settings, inputs, epochs, no_progress):
 
     if inputs:
         settings.data.paths = list(inputs)
-    run = open_run(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+    run = open_run(settings, data_fingerprint=data_fingerprint(settings.data.paths), with_layers=False)
     report = run_produce(run, epochs=epochs, progress=not no_progress)
     table = Table(title=f"produced into run '{settings.run}'", show_header=False)
     for field in ("records", "kept", "rejected", "truncated", "dropped_too_long", "dropped_few_supervised",
@@ -108,6 +108,39 @@ def status(settings, as_json):
         click.echo(json.dumps(data, indent=2))
         return
     console.print(status_module.render(data, redact(settings.redis.url)))
+
+
+# --- workers ------------------------------------------------------------------------------------------------
+@main.command()
+@run_options
+@click.option("--gpu", type=int, help="GPU index: the worker runs on cuda:N and is named <host>.gpuN.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="cpu: run on the CPU (named <host>.cpuN).")
+@click.option("--index", type=int, default=0, show_default=True, help="Worker index with --device cpu.")
+@click.option("--burst", is_flag=True, help="Exit once the queues are empty (tests, one-off jobs).")
+def worker(settings, gpu, device, index, burst):
+    """Run one long-lived extraction worker: loads the target once, then extracts chunks until stopped."""
+    import logging
+
+    from workers.worker import ExtractionWorker, worker_name
+
+    if gpu is None and device is None:
+        raise click.UsageError("Give --gpu N, or --device cpu [--index N].")
+    device_name, index = ("cpu", index) if device == "cpu" else ("cuda", gpu if gpu is not None else index)
+    torch_device = "cpu" if device_name == "cpu" else f"cuda:{index}"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run = open_run(settings)
+    ExtractionWorker(run, worker_name(device_name, index), torch_device).work(burst=burst)
+
+
+@main.command("tiny-model")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--arch", type=click.Choice(["qwen3_5", "qwen3_next", "llama"]), default="qwen3_5", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def tiny_model(out, arch, seed):
+    """Write a small random model with a tokenizer and chat template (demos, tests, dry runs)."""
+    from workers.tiny_model import write_tiny_model
+
+    click.echo(write_tiny_model(out, arch, seed))
 
 
 # --- redis --------------------------------------------------------------------------------------------------

