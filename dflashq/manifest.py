@@ -10,12 +10,11 @@ import os
 
 import redis
 
+from dflashq.blob import FORMAT_VERSION as BLOB_FORMAT_VERSION
 from dflashq.exceptions import ManifestMismatch
 from dflashq.keys import Keys
 from dflashq.layer_ids import CONVENTION
 from dflashq.store import Store
-
-BLOB_FORMAT_VERSION = 1
 
 
 def model_fingerprint(model_path: str) -> str:

@@ -1,0 +1,237 @@
+"""Blob: one chunk's extracted hidden states, as one self-describing safetensors file.
+
+Tensors: `hidden_zstd` (uint8, the byte-shuffled and zstd-compressed hidden states [N, K, H] of all samples
+concatenated), `input_ids` int32 [N], `loss_mask` uint8 [N], `offsets` int64 [S + 1] and `sample_index` int64 [S].
+String metadata: format, version, run, chunk id, epoch, layer ids (JSON, z-lab convention), dtype, shape, shuffle
+scheme, compressor, checksum. Byte-shuffling puts byte i of every value into plane i; the high (sign/exponent)
+planes of activations are far more repetitive than the mantissa planes, which is what zstd then exploits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import safetensors.numpy
+import torch
+import zstandard
+
+from dflashq import defaults
+from dflashq.exceptions import BlobError
+from dflashq.layer_ids import CONVENTION
+
+FORMAT = "dflashq-blob"
+FORMAT_VERSION = 1
+SHUFFLE = "byte-planes"  # plane i holds byte i (little-endian) of every value
+COMPRESSOR = "zstd"
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ST_DTYPES = {np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8"}
+_REQUIRED = ("format", "version", "run", "chunk_id", "epoch", "layer_ids", "dtype", "shape", "checksum")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"blobs hold bfloat16, float16 or float32 hidden states, not {dtype}")
+
+
+def shuffle_bytes(t: torch.Tensor) -> torch.Tensor:
+    """uint8 [itemsize, *t.shape] byte planes of `t`, on t's device (run it on the GPU before the copy to host)."""
+    t = t.contiguous()
+    size = t.element_size()
+    planes = t.view(torch.uint8).reshape(*t.shape, size)
+    return planes.permute(t.dim(), *range(t.dim())).contiguous()
+
+
+def unshuffle_bytes(planes: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of shuffle_bytes, on the CPU: uint8 [itemsize, *shape] -> `dtype` [*shape] (a new, writable tensor)."""
+    values = np.ascontiguousarray(np.moveaxis(planes, 0, -1))
+    return torch.from_numpy(values).view(dtype).reshape(planes.shape[1:])
+
+
+def _as_array(x, dtype) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+def _checksum(arrays: list[np.ndarray]) -> str:
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(a, crc)
+    return f"crc32:{crc:08x}"
+
+
+def encode_blob(
+    hidden: torch.Tensor | np.ndarray,
+    input_ids,
+    loss_mask,
+    offsets,
+    meta: dict,
+    level: int = defaults.COMPRESS_LEVEL,
+    threads: int = 0,
+    *,
+    sample_index=None,
+    dtype: torch.dtype | None = None,
+) -> list[bytes | memoryview]:
+    """Serialize one chunk; returns buffers for Store.write_atomic.
+
+    `hidden` is either float [N, K, H] or, already shuffled (e.g. on the GPU), shuffle_bytes' uint8
+    [itemsize, N, K, H] output together with its original `dtype`. `meta` needs run, chunk_id, epoch, layer_ids.
+    `threads` is zstd's worker count (0: compress in the calling thread).
+    """
+    if isinstance(hidden, np.ndarray):
+        hidden = torch.from_numpy(hidden)
+    if dtype is None:
+        dtype = hidden.dtype
+        planes = shuffle_bytes(hidden.detach().cpu())
+    else:
+        planes = hidden.detach().cpu().contiguous()
+    shape = list(planes.shape[1:])
+    if len(shape) != 3 or planes.dtype != torch.uint8 or planes.shape[0] != torch.empty(0, dtype=dtype).element_size():
+        raise ValueError(f"hidden must be [N, K, H] (or its byte planes); got {tuple(hidden.shape)} {hidden.dtype}")
+    planes = planes.numpy()
+    ids = _as_array(input_ids, np.int32)
+    mask = _as_array(loss_mask, np.uint8)
+    offs = _as_array(offsets, np.int64)
+    index = _as_array(sample_index if sample_index is not None else [-1] * (len(offs) - 1), np.int64)
+    if ids.shape != (shape[0],) or mask.shape != ids.shape or offs[0] != 0 or offs[-1] != shape[0]:
+        raise ValueError("input_ids, loss_mask and offsets must describe the same tokens as hidden")
+    if index.shape != (len(offs) - 1,):
+        raise ValueError("sample_index needs one entry per sample")
+    compressed = zstandard.ZstdCompressor(level=level, threads=threads).compress(planes)
+    metadata = {
+        "format": FORMAT,
+        "version": str(FORMAT_VERSION),
+        "run": str(meta["run"]),
+        "chunk_id": str(meta["chunk_id"]),
+        "epoch": str(int(meta["epoch"])),
+        "layer_ids": json.dumps([int(i) for i in meta["layer_ids"]]),
+        "layer_convention": CONVENTION,
+        "dtype": dtype_name(dtype),
+        "shape": json.dumps(shape),
+        "shuffle": SHUFFLE,
+        "compressor": f"{COMPRESSOR}:{level}",
+        "checksum": _checksum([planes, ids, mask, offs, index]),
+    }
+    tensors = {
+        "offsets": offs,
+        "sample_index": index,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "hidden_zstd": np.frombuffer(compressed, dtype=np.uint8),
+    }
+    return _safetensors_buffers(tensors, metadata)
+
+
+def _safetensors_buffers(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> list:
+    """The safetensors file as [header, tensor buffers...], so the compressed payload is written without a copy
+    (safetensors' own save() concatenates everything into one new bytes object)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, array in tensors.items():  # int64 first, so every tensor stays aligned to its item size
+        end = offset + array.nbytes
+        header[name] = {"dtype": _ST_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, end]}
+        offset = end
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors' writer does
+    return [struct.pack("<Q", len(encoded)) + encoded, *(memoryview(a).cast("B") for a in tensors.values())]
+
+
+@dataclasses.dataclass
+class Blob:
+    hidden: torch.Tensor  # [N, K, H] target dtype
+    input_ids: torch.Tensor  # [N] int32
+    loss_mask: torch.Tensor  # [N] uint8
+    offsets: torch.Tensor  # [S + 1] int64
+    sample_index: torch.Tensor  # [S] int64
+    metadata: dict[str, str]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return json.loads(self.metadata["layer_ids"])
+
+    @property
+    def chunk_id(self) -> str:
+        return self.metadata["chunk_id"]
+
+    @property
+    def epoch(self) -> int:
+        return int(self.metadata["epoch"])
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def samples(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per sample: (hidden [T, K, H], input_ids [T], loss_mask [T]), views into the blob's tensors."""
+        bounds = self.offsets.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            yield self.hidden[start:end], self.input_ids[start:end], self.loss_mask[start:end]
+
+
+def read_metadata(data: bytes | memoryview) -> dict[str, str]:
+    """The blob's string metadata, checked for format and version, without decompressing anything."""
+    view = memoryview(data).cast("B")
+    if len(view) < 8:
+        raise BlobError("the blob is truncated (no safetensors header); re-extract its chunk.")
+    (size,) = struct.unpack("<Q", view[:8])
+    if size > len(view) - 8:
+        raise BlobError("the blob is truncated (header runs past the end); re-extract its chunk.")
+    try:
+        metadata = json.loads(bytes(view[8 : 8 + size]))["__metadata__"]
+    except (ValueError, KeyError, TypeError):
+        raise BlobError("the blob header is corrupt (not safetensors with metadata); re-extract its chunk.") from None
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise BlobError(f"the file is not a {FORMAT} (format {metadata.get('format')!r}); point dflashq at its blobs.")
+    if metadata.get("version") != str(FORMAT_VERSION):
+        raise BlobError(
+            f"blob format version {metadata.get('version')!r} is not supported by this dflashq (reads "
+            f"{FORMAT_VERSION}); use the dflashq version that wrote the run."
+        )
+    missing = [key for key in _REQUIRED if key not in metadata]
+    if missing:
+        raise BlobError(f"the blob metadata lacks {', '.join(missing)}; re-extract its chunk.")
+    return metadata
+
+
+def decode_blob(data: bytes) -> Blob:
+    """Parse, decompress, checksum-verify and unshuffle a blob; any damage raises BlobError."""
+    metadata = read_metadata(data)
+    chunk = metadata["chunk_id"]
+    try:
+        tensors = safetensors.numpy.load(bytes(data))
+        dtype = _DTYPES[metadata["dtype"]]
+        planes_shape = (torch.empty(0, dtype=dtype).element_size(), *json.loads(metadata["shape"]))
+        raw = zstandard.ZstdDecompressor().decompress(tensors["hidden_zstd"], max_output_size=math.prod(planes_shape))
+        planes = np.frombuffer(raw, dtype=np.uint8).reshape(planes_shape)
+        others = [tensors[name] for name in ("input_ids", "loss_mask", "offsets", "sample_index")]
+    except Exception as exc:
+        raise BlobError(f"blob of chunk {chunk} is corrupt ({type(exc).__name__}); re-extract the chunk.") from None
+    if _checksum([planes, *others]) != metadata["checksum"]:
+        raise BlobError(f"blob of chunk {chunk} fails its checksum; re-extract the chunk.")
+    return Blob(unshuffle_bytes(planes, dtype), *(torch.from_numpy(a) for a in others), metadata)
+
+
+def blob_stats(blob: Blob) -> dict[int, dict[str, float]]:
+    """Per tapped layer id: mean, std, min, max, abs_max, zero_fraction, non_finite (for `dflashq inspect`)."""
+    stats = {}
+    for k, layer in enumerate(blob.layer_ids):
+        x = blob.hidden[:, k].float()
+        finite = x[torch.isfinite(x)]
+        stats[layer] = {
+            "mean": finite.mean().item() if finite.numel() else float("nan"),
+            "std": finite.std().item() if finite.numel() > 1 else float("nan"),
+            "min": finite.min().item() if finite.numel() else float("nan"),
+            "max": finite.max().item() if finite.numel() else float("nan"),
+            "abs_max": finite.abs().max().item() if finite.numel() else float("nan"),
+            "zero_fraction": (x == 0).float().mean().item() if x.numel() else float("nan"),
+            "non_finite": int(x.numel() - finite.numel()),
+        }
+    return stats
