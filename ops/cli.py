@@ -164,6 +164,17 @@ def redis_stop(settings):
     click.echo("stopped" if stopped else "not running")
 
 
+# --- demo -------------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--out", default="demo-out", show_default=True, type=click.Path(file_okay=False), help="Folder for model, data and run.")
+@click.option("--workers", default=2, show_default=True, help="CPU extraction workers.")
+def demo(out, workers):
+    """Run the pipeline on a tiny random hybrid model and built-in conversations (CPU, no downloads)."""
+    from ops.demo import run_demo
+
+    run_demo(out, workers)
+
+
 def entry() -> None:
     main(prog_name="dflashq")
 
