@@ -46,6 +46,11 @@ class Keys:
         return self.prefix + "finished"
 
     @property
+    def requeued(self) -> str:
+        """Counter of chunks re-queued from dead workers (shown by status; a crash drill's evidence)."""
+        return self.prefix + "requeued"
+
+    @property
     def results(self) -> str:
         """Stream of finished blobs (XADD by workers, consumer group by the trainer). Never trimmed by length."""
         return self.prefix + "results"

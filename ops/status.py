@@ -66,6 +66,7 @@ def collect(run: Run) -> dict:
             "started": sum(StartedJobRegistry(queue=q).count for q in queues),
             "finished": int(run.conn.scard(run.keys.finished)),
             "failed": sum(r.count for r in failed),
+            "requeued": int(run.conn.get(run.keys.requeued) or 0),
         },
         "backlog": {"current": int(run.conn.scard(run.keys.inflight)), "limit": settings.backpressure.max_backlog},
         "store": {"bytes": int(run.conn.get(run.keys.store_bytes) or 0), "limit": settings.backpressure.max_store_bytes},

@@ -41,3 +41,11 @@ def qwen3_tokenizer_dir() -> str:
     from workers.tiny_model import tokenizer_files_dir
 
     return tokenizer_files_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35(tmp_path_factory) -> str:
+    """A tiny random Qwen3.5-style hybrid model (linear + full attention) with the real Qwen3 tokenizer."""
+    from workers.tiny_model import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen35")), "qwen3_5")

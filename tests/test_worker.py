@@ -1,0 +1,226 @@
+"""Extraction workers as real processes against a real Redis: blobs, stream, refusal, SIGKILL and restart, OOM split."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from dflashq import settings as S
+from dflashq.blob import decode_blob
+from dflashq.chunk import Chunk, Sample
+from dflashq.keys import Keys
+from dflashq.run import Run
+from producers.produce import produce
+from producers.records import data_fingerprint
+from producers.sample_data import write_sample_data
+from workers.capture import decoder_layers
+from workers.extract import Extractor
+from workers.verify import verify_samples
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = socket.gethostname()
+
+
+def settings_for(tmp_path, redis_url, model, **extra):
+    overrides = {"run": "w", "redis.url": redis_url, "store.path": str(tmp_path / "store"), "model.path": model,
+                 "data.paths": str(tmp_path / "data.jsonl"), "data.tokenize_processes": 1, "data.max_length": 512,
+                 "data.chunk_tokens": 1024, "train.num_layers": 3, "workers.heartbeat_seconds": 0.5,
+                 "workers.worker_ttl": 3, "backpressure.poll_seconds": 0.1}
+    overrides.update(extra)
+    return S.load(None, list(overrides.items()), environ={})
+
+
+def admit_sample_data(settings, n):
+    write_sample_data(settings.data.paths[0], n=n)
+    run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+    return run, produce(run, epochs=1, progress=False)
+
+
+def worker_cmd(settings, index, burst=True):
+    cmd = [sys.executable, "-m", "ops.cli", "worker", "--device", "cpu", "--index", str(index),
+           "--run", settings.run, "--redis-url", settings.redis.url, "--store", settings.store.path,
+           "--model", settings.model.path]
+    for key in ("data.max_length", "train.num_layers", "workers.heartbeat_seconds", "workers.worker_ttl",
+                "backpressure.poll_seconds", "workers.batch_tokens"):
+        section, name = key.split(".")
+        cmd += ["-s", f"{key}={getattr(getattr(settings, section), name)}"]
+    return cmd + (["--burst"] if burst else [])
+
+
+def stream_chunks(conn, keys):
+    return [fields[b"chunk"].decode() for _, fields in conn.xrange(keys.results)]
+
+
+def assert_exactly_once(run, report):
+    conn, keys = run.conn, run.keys
+    chunks = stream_chunks(conn, keys)
+    assert len(chunks) == len(set(chunks)) == report.admitted
+    blobs = [p for p in Path(run.store.path("blobs", "e0")).iterdir() if p.suffix == ".dfq"]
+    assert len(blobs) == report.admitted
+    assert sorted(p.stem for p in blobs) == sorted(chunks)
+    assert not list(Path(run.store.path("blobs", "e0")).glob(".*.tmp"))
+    queues = [Queue(keys.shared_queue, connection=conn)] + [Queue(keys.worker_queue(f"{HOST}.cpu{i}"), connection=conn) for i in range(2)]
+    assert sum(FailedJobRegistry(queue=q).count for q in queues) == 0
+
+
+def test_worker_writes_verified_blobs_and_announces_each_once(tmp_path, redis_url, tiny_qwen35):
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35)
+    run, report = admit_sample_data(settings, 40)
+    proc = subprocess.run(worker_cmd(settings, 0), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exactly_once(run, report)
+    assert int(run.conn.get(run.keys.store_bytes)) == sum(int(v) for v in run.conn.hvals(run.keys.blob_bytes)) > 0
+    progress = json.loads(run.conn.hget(run.keys.workers, f"{HOST}.cpu0"))
+    assert progress["tokens_done"] == report.tokens
+    # the stored states are what a plain unbatched Transformers forward computes
+    from workers.target import load_target
+
+    model = load_target(tiny_qwen35)
+    path = run.conn.xrange(run.keys.results)[0][1][b"path"].decode()
+    blob = decode_blob(Path(path).read_bytes())
+    assert blob.layer_ids == run.layer_ids == [1, 3, 5]  # DFlash rule for 8 layers, 3 drafter layers
+    samples = [Sample(ids.numpy(), mask.numpy()) for _, ids, mask in blob.samples()]
+    reports, ok = verify_samples(model, blob.layer_ids, samples, [h for h, _, _ in blob.samples()])
+    assert ok, [r.problems() for r in reports]
+
+
+def test_worker_refuses_other_functions_and_pickles(tmp_path, redis_url, tiny_qwen35):
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35)
+    run, _ = admit_sample_data(settings, 1)
+    conn, keys = run.conn, run.keys
+    json_queue = Queue(keys.shared_queue, connection=conn, serializer=JSONSerializer)
+    json_queue.enqueue("os.system", "echo pwned", job_id="evil-json")
+    pickle_queue = Queue(keys.shared_queue, connection=conn)  # RQ's default serializer: pickle
+    pickle_queue.enqueue("workers.extract.extract_chunk", {"id": "x"}, job_id="evil-pickle")
+    proc = subprocess.run(worker_cmd(settings, 0), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = FailedJobRegistry(queue=json_queue)
+    assert sorted(failed.get_job_ids()) == ["evil-json", "evil-pickle"]
+    assert "not the registered extraction function" in Job.fetch("evil-json", connection=conn, serializer=JSONSerializer).latest_result().exc_string
+    assert "not JSON" in Job.fetch("evil-pickle", connection=conn, serializer=JSONSerializer).latest_result().exc_string
+    assert len(stream_chunks(conn, keys)) == 1  # the real chunk still ran
+
+
+def test_sigkill_mid_chunk_then_restart_loses_and_duplicates_nothing(tmp_path, redis_url, tiny_qwen35):
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"data.chunk_tokens": 4096, "data.max_length": 2048})
+    run, report = admit_sample_data(settings, 240)
+    assert report.admitted >= 4
+    conn = run.conn
+    victim_key = f"rq:worker:{HOST}.cpu0"
+    procs = [subprocess.Popen(worker_cmd(settings, i, burst=False), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not conn.hget(victim_key, "current_job"):  # wait until worker 0 is inside a chunk
+            assert time.monotonic() < deadline, "worker 0 never started a chunk"
+            time.sleep(0.02)
+        held = conn.hget(victim_key, "current_job").decode()
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        # restarted under the same name: it frees its name at once and re-queues the chunk at the front
+        procs[0] = subprocess.Popen(worker_cmd(settings, 0, burst=False), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 240
+        while conn.scard(run.keys.finished) < report.admitted:
+            assert time.monotonic() < deadline, f"only {conn.scard(run.keys.finished)} of {report.admitted} chunks finished"
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read().decode()[-3000:]
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+    assert int(conn.get(run.keys.requeued) or 0) >= 1
+    assert held in stream_chunks(conn, run.keys)
+    assert_exactly_once(run, report)
+    assert not conn.exists(f"rq:worker:{HOST}.cpu0") or conn.hexists(f"rq:worker:{HOST}.cpu0", "death")
+
+
+def test_heartbeats_keep_a_long_chunk_alive_beyond_worker_ttl(tmp_path, redis_url, tiny_qwen35):
+    """Chunks that take longer than worker_ttl are not declared abandoned while another worker watches."""
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"workers.worker_ttl": 2, "workers.heartbeat_seconds": 0.5,
+                                                                 "data.chunk_tokens": 16384, "data.max_length": 4096})
+    write_sample_data(settings.data.paths[0], n=2)
+    # few, long samples: one chunk of several seconds on the CPU
+    long = [{"prompt": "Tell me a story. " * 300, "response": "Once upon a time. " * 600} for _ in range(4)]
+    Path(settings.data.paths[0]).write_text("".join(json.dumps(r) + "\n" for r in long))
+    run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+    report = produce(run, epochs=1, progress=False)
+    procs = [subprocess.Popen(worker_cmd(settings, i), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
+    started = time.monotonic()
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-3000:]
+    assert time.monotonic() - started > 2 * settings.workers.worker_ttl  # the chunk really outlived the TTL
+    assert int(run.conn.get(run.keys.requeued) or 0) == 0
+    assert_exactly_once(run, report)
+
+
+def test_out_of_memory_chunk_is_split_and_retried(tmp_path, redis_url, tiny_qwen35):
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"workers.batch_tokens": 4096})
+    run = Run.open(settings)
+    extractor = Extractor(run, "oom-test", "cpu")
+    calls = []
+
+    def fail_big_batches(module, args, kwargs):
+        rows = kwargs["hidden_states"].shape[0] if "hidden_states" in kwargs else args[0].shape[0]
+        calls.append(rows)
+        if rows > 2:  # a real torch.OutOfMemoryError, as the CUDA allocator raises it
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = decoder_layers(extractor.model)[0].register_forward_pre_hook(fail_big_batches, with_kwargs=True)
+    rng = np.random.default_rng(0)
+    samples = [Sample(rng.integers(0, 1000, 50).astype(np.int32), np.ones(50, np.uint8), i) for i in range(8)]
+    try:
+        result = extractor.run(Chunk("w-e0-oom-000000000-000000007", 0, samples))
+        extractor.flush()
+    finally:
+        handle.remove()
+        extractor.close()
+    assert result["samples"] == 8 and max(calls) > 2 and calls[-1] <= 2
+    assert stream_chunks(run.conn, run.keys) == ["w-e0-oom-000000000-000000007"]
+
+
+def test_chunk_that_keeps_failing_lands_in_failed_registry_with_reason(tmp_path, redis_url, tiny_qwen35):
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35)
+    run, _ = admit_sample_data(settings, 1)
+    from producers.admission import Admission
+
+    bad = Chunk("w-e0-bad-000000001-000000001", 0, [Sample(np.array([5, 10**7, 6], np.int32), np.ones(3, np.uint8), 1)])
+    Admission(run.conn, "w", run.store, 10, 10**12, 60).try_admit(bad)  # a token id beyond the vocabulary
+    proc = subprocess.run(worker_cmd(settings, 0), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = FailedJobRegistry(queue=Queue(run.keys.shared_queue, connection=run.conn))
+    assert failed.get_job_ids() == [bad.id]
+    assert "IndexError" in Job.fetch(bad.id, connection=run.conn, serializer=JSONSerializer).latest_result().exc_string
+    assert len(stream_chunks(run.conn, run.keys)) == 1  # the good chunk still went through
+
+
+def test_out_of_memory_even_alone_gives_up_after_max_splits(tmp_path, redis_url, tiny_qwen35):
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35)
+    extractor = Extractor(Run.open(settings), "oom-test", "cpu")
+
+    def always_oom(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = decoder_layers(extractor.model)[0].register_forward_pre_hook(always_oom)
+    samples = [Sample(np.arange(20, dtype=np.int32), np.ones(20, np.uint8), i) for i in range(4)]
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            extractor.run(Chunk("w-e0-oom2-000000000-000000003", 0, samples))
+    finally:
+        handle.remove()
+        extractor.close()

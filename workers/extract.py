@@ -1,0 +1,179 @@
+"""The extraction job: one chunk -> the target's tapped hidden states -> one blob in the store -> one stream entry.
+
+The GPU never waits on the disk: the states are byte-shuffled on the GPU, copied into pinned host memory, and
+compressed, written (temporary name, fsync, rename) and announced by a writer thread while the job returns and
+the next chunk's forward runs. A chunk whose job returned but whose blob is not yet announced is recorded as
+`unannounced` for this worker, so recovery can re-queue it if the worker dies in between.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+
+import torch
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from dflashq.blob import encode_blob, shuffle_bytes
+from dflashq.chunk import Chunk
+from dflashq.exceptions import JobRefused
+from dflashq.run import Run
+from workers.capture import HiddenStateCapture, extract_samples, micro_batches
+from workers.recovery import requeue_front, unannounced_key
+from workers.target import load_target
+
+# Announce exactly once: only the first writer of a chunk id adds the stream entry and counts its bytes.
+_ANNOUNCE = """
+redis.call('SREM', KEYS[4], ARGV[1])
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'chunk', ARGV[1], 'path', ARGV[2], 'tokens', ARGV[3], 'samples', ARGV[4],
+           'bytes', ARGV[5], 'epoch', ARGV[6], 'worker', ARGV[7])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
+redis.call('INCRBY', KEYS[5], ARGV[5])
+return 1
+"""
+
+log = logging.getLogger(__name__)
+
+_active: "Extractor | None" = None
+
+
+def extract_chunk(payload: dict) -> dict:
+    """The one registered job function (dflashq.keys.EXTRACT_FUNCTION); runs inside an ExtractionWorker."""
+    if _active is None:
+        raise JobRefused("extract_chunk runs only inside `dflashq worker`, which holds the loaded target.")
+    return _active.run(Chunk.from_json(payload))
+
+
+class Extractor:
+    """The loaded target plus its capture hooks and writer threads; one per worker process."""
+
+    def __init__(self, run: Run, worker_name: str, device: str):
+        global _active
+        settings = run.settings
+        self.run_ctx = run
+        self.worker_name = worker_name
+        self.device = torch.device(device)
+        self.model = load_target(settings.model.path, self.device, settings.model.dtype, settings.model.trust_remote_code)
+        self.capture = HiddenStateCapture(self.model, run.layer_ids)
+        self.batch_tokens = settings.workers.batch_tokens
+        self.max_splits = settings.workers.max_splits
+        self.level = settings.workers.compress_level
+        self.threads = max(1, settings.workers.writer_threads)
+        # Two chunks in flight at most: the one being written and the one being computed; each has a buffer.
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-writer")
+        self.pending: list[concurrent.futures.Future] = []
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._slot = 0
+        self._announce = run.conn.register_script(_ANNOUNCE)
+        self._lock = threading.Lock()
+        self.tokens_done = 0
+        self.first_start: float | None = None
+        _active = self
+
+    # --- forward ------------------------------------------------------------------------------------------
+    def _forward(self, chunk: Chunk) -> list[torch.Tensor]:
+        """Per-sample hidden states; a chunk that runs out of GPU memory is split into smaller batches."""
+        lengths = [len(s) for s in chunk.samples]
+        budget = self.batch_tokens
+        for attempt in range(self.max_splits + 1):
+            try:
+                return extract_samples(self.model, self.capture, chunk.samples, budget)
+            except torch.OutOfMemoryError:
+                # halve the largest padded batch actually tried, not the nominal budget
+                largest = max(len(b) * lengths[b[0]] for b in micro_batches(lengths, budget))
+                if attempt == self.max_splits or largest <= max(lengths):
+                    raise
+                budget = largest // 2
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        raise AssertionError("unreachable")
+
+    def _to_host(self, planes: torch.Tensor) -> torch.Tensor:
+        """Copy to a reusable pinned buffer (on CPU the planes already are host memory). The caller has waited
+        for the write that last used this buffer."""
+        if self.device.type != "cuda":
+            return planes
+        self._slot ^= 1
+        buf = self._pinned[self._slot]
+        if buf is None or buf.numel() < planes.numel():
+            buf = self._pinned[self._slot] = torch.empty(planes.numel(), dtype=torch.uint8, pin_memory=True)
+        host = buf[: planes.numel()].view(planes.shape)
+        host.copy_(planes, non_blocking=True)
+        return host
+
+    def run(self, chunk: Chunk) -> dict:
+        if self.first_start is None:
+            self.first_start = time.perf_counter()
+        states = self._forward(chunk)  # per sample [T_i, K, H] on the device
+        hidden = torch.cat(states) if len(states) > 1 else states[0]  # [N, K, H]
+        planes = shuffle_bytes(hidden)  # [itemsize, N, K, H] uint8, shuffled on the device
+        while len(self.pending) >= 2:  # bounded: one blob being written while this one is computed
+            self.pending.pop(0).result()
+        host = self._to_host(planes)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        conn, keys = self.run_ctx.conn, self.run_ctx.keys
+        conn.sadd(unannounced_key(keys, self.worker_name), chunk.id)
+        future = self.pool.submit(self._write, chunk, host, hidden.dtype, done)
+        for f in [f for f in self.pending if f.done()]:
+            f.result()  # surface a failed write of an earlier chunk
+        self.pending = [f for f in self.pending if not f.done()] + [future]
+        return {"chunk": chunk.id, "tokens": chunk.tokens, "samples": len(chunk.samples)}
+
+    # --- writer thread ------------------------------------------------------------------------------------
+    def _write(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done) -> None:
+        try:
+            self._write_and_announce(chunk, host, dtype, done)
+        except Exception:
+            # The job already returned: give the chunk back to the queue rather than lose it.
+            log.exception("writing the blob of %s failed; re-queueing it", chunk.id)
+            conn = self.run_ctx.conn
+            requeue_front(conn, Job.fetch(chunk.id, connection=conn, serializer=JSONSerializer))
+            conn.srem(unannounced_key(self.run_ctx.keys, self.worker_name), chunk.id)
+            raise
+
+    def _write_and_announce(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done) -> None:
+        if done is not None:
+            done.synchronize()
+        run, keys = self.run_ctx, self.run_ctx.keys
+        lengths = [len(s) for s in chunk.samples]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        meta = {"run": run.settings.run, "chunk_id": chunk.id, "epoch": chunk.epoch, "layer_ids": run.layer_ids}
+        ids = torch.cat([torch.from_numpy(s.input_ids) for s in chunk.samples])
+        mask = torch.cat([torch.from_numpy(s.loss_mask) for s in chunk.samples])
+        buffers = encode_blob(host, ids, mask, offsets, meta, self.level, self.threads,
+                              sample_index=[s.index for s in chunk.samples], dtype=dtype)
+        path = run.store.blob_path(chunk.id, chunk.epoch)
+        size = run.store.write_atomic(path, buffers)
+        self._announce(
+            keys=[keys.finished, keys.results, keys.blob_bytes, unannounced_key(keys, self.worker_name), keys.store_bytes],
+            args=[chunk.id, path, chunk.tokens, len(chunk.samples), size, chunk.epoch, self.worker_name],
+        )
+        with self._lock:
+            self.tokens_done += chunk.tokens
+            elapsed = max(time.perf_counter() - self.first_start, 1e-9)
+            run.conn.hset(keys.workers, self.worker_name, json.dumps({
+                "tokens_done": self.tokens_done, "tokens_per_second": self.tokens_done / elapsed, "updated": time.time(),
+            }))
+
+    def flush(self) -> None:
+        """Wait until every blob handed to the writer is written and announced (warm shutdown)."""
+        for future in self.pending:
+            future.result()
+        self.pending = []
+
+    def close(self) -> None:
+        global _active
+        self.flush()
+        self.pool.shutdown(wait=True)
+        self.capture.close()
+        if _active is self:
+            _active = None

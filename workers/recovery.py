@@ -1,0 +1,127 @@
+"""Recovery of chunks held by dead workers: re-queued at the FRONT of their queue, never failed, never lost.
+
+A worker holds a chunk in two ways: as RQ's started job (forward running), and, after the job returned, as an
+unannounced chunk whose blob is still being compressed and written in its writer threads. A worker is dead when
+its RQ key has expired (no heartbeat for `worker_ttl` seconds), or, for a restart on the same host, at once when
+its recorded pid no longer runs. RQ alone would move an abandoned job to the failed registry; we get there first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import redis
+from rq import Queue, Worker
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.utils import current_timestamp
+from rq.worker_registration import unregister
+
+from dflashq.keys import Keys
+
+
+def unannounced_key(keys: Keys, worker_name: str) -> str:
+    """Chunks whose job returned on `worker_name` but whose blob is not yet announced."""
+    return f"{keys.prefix}unannounced:{worker_name}"
+
+
+def _worker_alive(conn: redis.Redis, name: str) -> bool:
+    return bool(conn.exists(Worker.redis_worker_namespace_prefix + name))
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def local_worker_dead(conn: redis.Redis, name: str) -> bool:
+    """True when `name` is registered by a process of THIS host that no longer runs (a crashed predecessor)."""
+    key = Worker.redis_worker_namespace_prefix + name
+    hostname, pid = conn.hmget(key, "hostname", "pid")
+    if hostname is None or pid is None:
+        return False
+    return hostname.decode() == socket.gethostname() and not _pid_running(int(pid))
+
+
+def requeue_front(conn: redis.Redis, job: Job) -> None:
+    """Put `job` back at the front of its queue, out of the started registry."""
+    queue = Queue(job.origin, connection=conn, serializer=JSONSerializer)
+    registry = StartedJobRegistry(queue=queue)
+    # Entries are "<job id>:<execution id>"; a dead worker's execution records may already have expired.
+    entries = [e for e in conn.zrange(registry.key, 0, -1) if e.decode().split(":")[0] == job.id]
+    with conn.pipeline() as pipe:
+        if entries:
+            pipe.zrem(registry.key, *entries)
+        job.set_status(JobStatus.QUEUED, pipeline=pipe)
+        job.worker_name = None
+        queue.push_job_id(job.id, pipeline=pipe, at_front=True)
+        pipe.execute()
+
+
+def release_worker(conn: redis.Redis, keys: Keys, name: str, queues: list[Queue]) -> list[str]:
+    """Re-queue (front) every chunk `name` held, then free its name. Call only for a dead worker."""
+    requeued = []
+    finished = keys.finished
+    for queue in queues:
+        registry = StartedJobRegistry(queue=queue)
+        for job_id, _ in registry.get_job_and_execution_ids(cleanup=False):
+            try:
+                job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+            except NoSuchJobError:
+                continue
+            if job.worker_name == name:
+                requeue_front(conn, job)
+                requeued.append(job_id)
+    pending = unannounced_key(keys, name)
+    for raw in conn.smembers(pending):
+        job_id = raw.decode()
+        if not conn.sismember(finished, job_id) and job_id not in requeued:
+            try:
+                job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+            except NoSuchJobError:
+                continue
+            requeue_front(conn, job)
+            requeued.append(job_id)
+    conn.delete(pending)
+    if requeued:
+        conn.incrby(keys.requeued, len(requeued))
+    worker = Worker(queues or [Queue(keys.shared_queue, connection=conn)], name=name, connection=conn)
+    unregister(worker)
+    conn.delete(worker.key)
+    return requeued
+
+
+def recover(conn: redis.Redis, keys: Keys, queues: list[Queue]) -> list[str]:
+    """Find chunks held by workers that are dead (key expired) and re-queue them. Safe to run from anywhere,
+    any number of times, concurrently: a chunk re-queued twice runs twice and is announced once."""
+    holders: set[str] = set()
+    now = current_timestamp()
+    for queue in queues:
+        registry = StartedJobRegistry(queue=queue)
+        # entries whose execution heartbeat lapsed: their worker stopped beating
+        for entry in conn.zrangebyscore(registry.key, 0, now):
+            job_id = entry.decode().split(":")[0]
+            try:
+                job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+            except NoSuchJobError:
+                conn.zrem(registry.key, entry)
+                continue
+            if job.worker_name and not _worker_alive(conn, job.worker_name):
+                holders.add(job.worker_name)
+    prefix = unannounced_key(keys, "")
+    for key in conn.scan_iter(match=prefix + "*"):
+        name = key.decode()[len(prefix):]
+        if conn.scard(key) and not _worker_alive(conn, name):
+            holders.add(name)
+    requeued = []
+    for name in sorted(holders):
+        requeued += release_worker(conn, keys, name, queues)
+    return requeued

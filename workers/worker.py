@@ -1,0 +1,157 @@
+"""The GPU worker: a long-lived RQ SimpleWorker that loads the target once and runs only the extraction job.
+
+Named `<host>.gpu<N>` (`<host>.cpu<N>`), it listens on its own queue first, then on the run's shared queue.
+Unlike stock SimpleWorker it heartbeats from a thread during jobs and keeps its Redis key alive for only
+`worker_ttl` seconds, so a dead worker is noticed quickly and its chunk re-queued (workers/recovery.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from rq import Queue, SimpleWorker
+from rq.exceptions import DeserializationError, StopRequested
+from rq.serializers import JSONSerializer
+from rq.utils import now
+from rq.worker.base import WorkerStatus
+
+from dflashq.exceptions import DflashqError
+from dflashq.keys import EXTRACT_FUNCTION
+from dflashq.run import Run
+from workers import recovery
+from workers.extract import Extractor
+
+log = logging.getLogger(__name__)
+
+
+def worker_name(device: str, index: int) -> str:
+    kind = "cpu" if device == "cpu" else "gpu"
+    return f"{socket.gethostname()}.{kind}{index}"
+
+
+class ExtractionWorker(SimpleWorker):
+    def __init__(self, run: Run, name: str, device: str):
+        settings = run.settings
+        self.run_ctx = run
+        self.device = device
+        self.heartbeat_seconds = settings.workers.heartbeat_seconds
+        self.poll_seconds = settings.backpressure.poll_seconds
+        self.max_store_bytes = settings.backpressure.max_store_bytes
+        queues = [
+            Queue(run.keys.worker_queue(name), connection=run.conn, serializer=JSONSerializer),
+            Queue(run.keys.shared_queue, connection=run.conn, serializer=JSONSerializer),
+        ]
+        super().__init__(
+            queues, name=name, connection=run.conn, serializer=JSONSerializer,
+            worker_ttl=settings.workers.worker_ttl, job_monitoring_interval=int(self.heartbeat_seconds),
+        )
+        self.extractor: Extractor | None = None
+        self._last_recovery = 0.0
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+    def take_name(self) -> None:
+        """Free this worker's name from a dead predecessor (re-queueing its chunks), or refuse a live one."""
+        conn = self.connection
+        deadline = time.monotonic() + self.worker_ttl + 5
+        while conn.exists(self.key) and not conn.hexists(self.key, "death"):
+            if recovery.local_worker_dead(conn, self.name):
+                requeued = recovery.release_worker(conn, self.run_ctx.keys, self.name, self.queues)
+                log.warning("%s: predecessor died; re-queued %s", self.name, requeued or "nothing")
+                return
+            if time.monotonic() > deadline:
+                host, pid = (v.decode() if v else "?" for v in conn.hmget(self.key, "hostname", "pid"))
+                raise DflashqError(f"A worker named {self.name} is alive on {host} (pid {pid}): stop it, or start this one with another --gpu/--index.")
+            time.sleep(1)  # a predecessor on another host: its key expires within worker_ttl
+        # a predecessor that shut down cleanly may still have unannounced chunks (it flushes, but be sure)
+        recovery.release_worker(conn, self.run_ctx.keys, self.name, self.queues)
+
+    def work(self, **kwargs) -> bool:
+        self.take_name()
+        self.extractor = Extractor(self.run_ctx, self.name, self.device)  # load the target before taking jobs
+        kwargs.setdefault("with_scheduler", False)
+        return super().work(**kwargs)
+
+    def teardown(self):
+        # Blobs already handed to the writer are written and announced before the worker deregisters.
+        if self.extractor is not None:
+            self.extractor.close()
+        super().teardown()
+
+    # --- heartbeats -------------------------------------------------------------------------------------
+    def heartbeat(self, timeout=None, pipeline=None):
+        super().heartbeat(timeout or self.worker_ttl, pipeline=pipeline)
+
+    def get_heartbeat_ttl(self, job) -> int:
+        return self.worker_ttl
+
+    def _beat_during(self, job, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_seconds):
+            try:
+                with self.connection.pipeline() as pipe:
+                    self.heartbeat(self.worker_ttl, pipeline=pipe)
+                    self.execution.heartbeat(job.started_job_registry, self.worker_ttl, pipeline=pipe)
+                    job.heartbeat(now(), self.worker_ttl, pipeline=pipe, xx=True)
+                    pipe.execute()
+                self._recover_peers()
+            except Exception:  # a missed beat is not fatal; the next one may get through
+                log.exception("%s: heartbeat failed", self.name)
+
+    def _recover_peers(self) -> None:
+        """Every half worker_ttl, re-queue chunks of workers that died anywhere in the run."""
+        if time.monotonic() - self._last_recovery < self.worker_ttl / 2:
+            return
+        self._last_recovery = time.monotonic()
+        requeued = recovery.recover(self.connection, self.run_ctx.keys, self.queues)
+        if requeued:
+            log.warning("%s: re-queued chunks of dead workers: %s", self.name, requeued)
+
+    # --- jobs -------------------------------------------------------------------------------------------
+    def _refusal(self, job) -> str | None:
+        try:
+            func = job.func_name
+        except DeserializationError:
+            return "refused: the job payload is not JSON (dflashq workers never unpickle)"
+        if func != EXTRACT_FUNCTION:
+            return f"refused: {func!r} is not the registered extraction function {EXTRACT_FUNCTION}"
+        return None
+
+    def execute_job(self, job, queue):
+        reason = self._refusal(job)
+        if reason:
+            log.error("%s: job %s %s", self.name, job.id, reason)
+            # No prepare_job_execution: it reads the payload, which for a refused job may be a pickle.
+            self.prepare_execution(job)
+            self.handle_job_failure(job, queue, exc_string=reason)
+            self.set_state(WorkerStatus.IDLE)
+            return
+        stop = threading.Event()
+        beat = threading.Thread(target=self._beat_during, args=(job, stop), daemon=True, name="heartbeat")
+        beat.start()
+        try:
+            super().execute_job(job, queue)
+        finally:
+            stop.set()
+            beat.join()
+
+    def _must_wait(self) -> str | None:
+        conn, keys = self.connection, self.run_ctx.keys
+        if conn.sismember(keys.paused, self.name) or conn.sismember(keys.paused, "*"):
+            return "paused"
+        if int(conn.get(keys.store_bytes) or 0) >= self.max_store_bytes:
+            return "store over budget"
+        return None
+
+    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        while (reason := self._must_wait()) is not None:
+            self.set_state(WorkerStatus.SUSPENDED)
+            self.procline(f"waiting: {reason}")
+            self.heartbeat()
+            self._recover_peers()
+            if self._stop_requested:
+                raise StopRequested()
+            time.sleep(self.poll_seconds)
+        self._recover_peers()
+        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
