@@ -1,0 +1,193 @@
+"""The batched drafter forward (SDPA and flex paths) against a slow per-block, per-slot reference of the rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflashq.exceptions import ConfigError
+from trainer.anchors import gather_blocks, sample_anchors
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.target_head import TargetHead
+
+HIDDEN, VOCAB, MASK, BLOCK, WINDOW = 64, 97, 96, 4, 6
+LENGTHS = (21, 14, 9)
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# Eager flex_attention on CPU warns that it is unfused; that is expected in these tests.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def make_drafter(layer_types: list[str]) -> DFlashDrafter:
+    target = {"hidden_size": HIDDEN, "num_hidden_layers": 8, "vocab_size": VOCAB, "intermediate_size": 96}
+    config = DrafterConfig.default_for_target(
+        target, num_layers=len(layer_types), layer_ids=[1, 5], mask_token_id=MASK, block_size=BLOCK,
+        sliding_window=WINDOW, layer_types=layer_types,
+    )
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():  # non-trivial norm weights, so a norm applied to the wrong tensor shows
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def head() -> TargetHead:
+    gen = torch.Generator().manual_seed(1)
+    return TargetHead(torch.randn(VOCAB, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Three right-padded sequences of different lengths; garbage context states beyond each length."""
+    gen = torch.Generator().manual_seed(2)
+    seq_len = max(LENGTHS)
+    input_ids = torch.randint(0, MASK, (len(LENGTHS), seq_len), generator=gen)
+    loss_mask = torch.zeros(len(LENGTHS), seq_len, dtype=torch.long)
+    for row, length in enumerate(LENGTHS):
+        loss_mask[row, 3:length] = 1
+    loss_mask[0, 10] = 0  # a hole: positions 9 and 10 are no anchors
+    context = torch.randn(len(LENGTHS), seq_len, 2 * HIDDEN, generator=gen)
+    anchors, valid = sample_anchors(loss_mask, 7, gen)
+    block_ids, _, _ = gather_blocks(input_ids, loss_mask, anchors, valid, BLOCK, MASK)
+    return context, block_ids, anchors, valid
+
+
+# ---- the slow reference: one query slot at a time, keys chosen by reading the rule literally ----
+
+def rms(x, weight, eps):
+    return weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, positions, theta):
+    """Rotation of the pairs (i, i + D/2) as complex numbers: an independent spelling of half-split RoPE."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angle = positions.double()[:, None] * freqs
+    rotated = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([rotated.real, rotated.imag], -1).float()
+
+
+def reference_block(drafter, head, context_states, token_ids, anchor):
+    """Hidden states [B, H] of one block at `anchor`, looping over layers and query slots."""
+    cfg = drafter.config
+    eps, theta, d = cfg.rms_norm_eps, cfg.rope_theta, cfg.head_dim
+    ctx = rms(context_states @ drafter.fc.weight.T, drafter.hidden_norm.weight, eps)  # [T, H]
+    x = head.embed_tokens[token_ids]  # [B, H]
+    block_pos = anchor + torch.arange(BLOCK)
+    for layer, layer_type in zip(drafter.layers, cfg.layer_types):
+        att = layer.self_attn
+        h = rms(x, layer.input_layernorm.weight, eps)
+
+        def keys_values(inp, positions):
+            k = rms((inp @ att.k_proj.weight.T).view(len(inp), -1, d), att.k_norm.weight, eps)
+            v = (inp @ att.v_proj.weight.T).view(len(inp), -1, d)
+            return rope(k.transpose(0, 1), positions, theta), v.transpose(0, 1)  # [hkv, s, D]
+
+        q = rope(rms((h @ att.q_proj.weight.T).view(BLOCK, -1, d), att.q_norm.weight, eps).transpose(0, 1),
+                 block_pos, theta)  # [hq, B, D]
+        k_blk, v_blk = keys_values(h, block_pos)
+        rows = []
+        for k in range(BLOCK):
+            q_pos = anchor + k
+            ctx_pos = [c for c in range(anchor) if layer_type == FULL or q_pos - c < cfg.sliding_window]
+            own = [j for j in range(BLOCK) if layer_type == FULL or (j <= k and k - j < cfg.sliding_window)]
+            k_ctx, v_ctx = keys_values(ctx[ctx_pos], torch.tensor(ctx_pos, dtype=torch.long))
+            keys = torch.cat([k_ctx, k_blk[:, own]], 1)  # [hkv, n, D]
+            values = torch.cat([v_ctx, v_blk[:, own]], 1)
+            group = att.num_heads // att.num_kv_heads
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [hq, n, D]
+            scores = (keys @ q[:, k, :, None])[..., 0] / d**0.5  # [hq, n]
+            rows.append((scores.softmax(-1)[:, None, :] @ values)[:, 0].reshape(-1))  # [hq*D]
+        x = x + torch.stack(rows) @ att.o_proj.weight.T
+        h = rms(x, layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp
+        x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    return rms(x, drafter.norm.weight, eps)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+@pytest.mark.parametrize("layer_types", [[SLIDING, SLIDING], [FULL, FULL], [SLIDING, FULL]])
+def test_batched_forward_matches_per_block_reference(attention, layer_types, head, batch):
+    drafter = make_drafter(layer_types)
+    context, block_ids, anchors, valid = batch
+    with torch.no_grad():
+        hidden = drafter(context, block_ids, anchors, head, attention=attention)  # [b, N, B, H]
+        for row, col in valid.nonzero().tolist():
+            expected = reference_block(drafter, head, context[row], block_ids[row, col], int(anchors[row, col]))
+            torch.testing.assert_close(hidden[row, col], expected, atol=2e-5, rtol=1e-4)
+    assert valid.sum() > 10 and not valid.all()  # several blocks per row, and padded blocks present
+
+
+@pytest.mark.parametrize("layer_types", [[SLIDING, FULL], [FULL]])
+def test_context_is_seen_strictly_before_the_anchor(layer_types, head, batch):
+    drafter = make_drafter(layer_types)
+    context, block_ids, anchors, _ = batch
+    row, col = 0, 2
+    anchor = int(anchors[row, col])
+    with torch.no_grad():
+        base = drafter(context, block_ids, anchors, head)[row, col]
+        for position, changes in ((anchor, False), (anchor - 1, True)):
+            edited = context.clone()
+            edited[row, position] += 1.0
+            out = drafter(edited, block_ids, anchors, head)[row, col]
+            assert (not torch.allclose(out, base, atol=1e-6)) == changes, f"context at {position}, anchor {anchor}"
+
+
+def test_blocks_are_blind_to_each_other(head, batch):
+    drafter = make_drafter([SLIDING, FULL])
+    context, block_ids, anchors, _ = batch
+    edited_ids, edited_anchors = block_ids.clone(), anchors.clone()
+    edited_ids[0, 1, 0] = (edited_ids[0, 1, 0] + 1) % MASK
+    edited_anchors[0, 1] += 1
+    with torch.no_grad():
+        base = drafter(context, block_ids, anchors, head)
+        out = drafter(context, edited_ids, edited_anchors, head)
+    changed = (out - base).abs().amax(-1).amax(-1) > 1e-6  # [b, N]
+    assert changed[0, 1] and changed.sum() == 1
+
+
+def test_draft_equals_training_forward_of_one_block(head, batch):
+    drafter = make_drafter([SLIDING, FULL])
+    context, _, _, _ = batch
+    anchor, token = 11, 5
+    block_ids = torch.tensor([[[token] + [MASK] * (BLOCK - 1)]])
+    with torch.no_grad():
+        hidden = drafter(context[:1], block_ids, torch.tensor([[anchor]]), head)  # [1, 1, B, H]
+    expected = head.logits(hidden[0, 0, 1:])  # [B-1, V]
+    exact_context = drafter.draft(context[:1, :anchor], torch.tensor([token]), anchor, head)
+    longer_context = drafter.draft(context[:1], torch.tensor([token]), torch.tensor([anchor]), head)
+    torch.testing.assert_close(exact_context[0], expected)
+    torch.testing.assert_close(longer_context[0], expected)  # positions >= start_pos are not seen
+
+
+def test_module_names_are_the_export_tensor_names():
+    drafter = make_drafter([SLIDING, FULL])
+    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    expected |= {f"layers.{i}.{name}.weight" for i in range(2) for name in per_layer}
+    assert set(drafter.state_dict()) == expected
+    assert drafter.fc.weight.shape == (HIDDEN, 2 * HIDDEN)
+
+
+def test_default_config_for_a_27b_target_has_the_released_drafter_size():
+    target = {"text_config": {"hidden_size": 5120, "num_hidden_layers": 64, "vocab_size": 248320,
+                              "intermediate_size": 17408, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25}}
+    config = DrafterConfig.default_for_target(target, mask_token_id=248070)
+    assert config.target_layer_ids == [1, 16, 31, 46, 61]
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
+    assert config.layer_types == [SLIDING] * 4 + [FULL] and config.rope_theta == 1e7
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashDrafter(config).parameters())
+    assert 1.70e9 < params < 1.76e9
+
+
+def test_mask_token_outside_the_vocabulary_is_refused():
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        DrafterConfig.default_for_target({"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 10},
+                                         num_layers=1, mask_token_id=10)

@@ -1,0 +1,284 @@
+"""The whole DFlash drafter in one file: config, Qwen3-style layers, the batched training forward and `draft`.
+
+Shapes: b = sequences, T = context positions, K*H = concatenated tapped target states, N = blocks per sequence,
+B = block size, Q = N*B block slots, H = hidden size, D = head_dim, hq / hkv = query / key-value heads.
+The context (tapped target states) enters every layer only as extra keys/values in front of the block's own,
+never the residual stream; which key each slot may see is trainer.attention_mask's rule.
+Module names match the exported tensor names (fc, hidden_norm, layers.{i}.self_attn.q_proj, ..., norm); the
+frozen embed_tokens / lm_head live in a TargetHead passed to each call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from dflashq import defaults
+from dflashq.exceptions import ConfigError
+from dflashq.layer_ids import default_layer_ids
+from trainer.attention_mask import dense_mask, dflash_mask_mod
+from trainer.target_head import TargetHead
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+INITIALIZER_RANGE = 0.02  # Qwen3's init std for a drafter trained from scratch
+
+Attention = Literal["auto", "flex", "sdpa"]
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]  # z-lab convention: id t = output of target decoder layer t = hidden_states[t+1]
+    mask_token_id: int
+    layer_types: list[str]
+    sliding_window: int
+    num_target_layers: int
+
+    def __post_init__(self):
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ConfigError(
+                f"layer_types {self.layer_types} must list {self.num_layers} entries, each one of {LAYER_TYPES}."
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} is not a row of the target's {self.vocab_size}-token "
+                "embedding; set train.mask_token_id to a reserved token of the target vocabulary."
+            )
+        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}, and head_dim {self.head_dim} even."
+            )
+        if self.block_size < 2:
+            raise ConfigError(f"block_size {self.block_size} must be at least 2 (one anchor plus one draft slot).")
+
+    @property
+    def num_tapped(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def default_for_target(
+        cls,
+        target_config: Mapping[str, Any] | Any,
+        num_layers: int = defaults.NUM_LAYERS,
+        layer_ids: list[int] | None = None,
+        *,
+        mask_token_id: int,
+        block_size: int = defaults.BLOCK_SIZE,
+        sliding_window: int = defaults.SLIDING_WINDOW,
+        rope_theta: float = defaults.ROPE_THETA,
+        **overrides: Any,
+    ) -> DrafterConfig:
+        """Drafter defaults for a target (a config.json dict or a Transformers config; a multimodal config's
+        `text_config` is used). Attention is 32 query / 8 kv heads of 128 where the hidden size allows, scaled
+        down for small targets; the MLP width follows the target; RoPE is the drafter's own plain RoPE; the
+        last layer is full attention and the others sliding, as in the released drafters. `overrides` replace
+        any field."""
+        target = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+        target = target.get("text_config") or target
+        hidden = target["hidden_size"]
+        num_target_layers = target["num_hidden_layers"]
+        head_dim = min(128, hidden // 4) // 2 * 2
+        num_heads = max(1, min(32, hidden // head_dim))
+        fields = dict(
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=max(1, num_heads // 4),
+            head_dim=head_dim,
+            intermediate_size=target.get("intermediate_size") or 3 * hidden,
+            rms_norm_eps=target.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=target.get("max_position_embeddings", 32768),
+            vocab_size=target["vocab_size"],
+            block_size=block_size,
+            target_layer_ids=list(layer_ids) if layer_ids else default_layer_ids(num_target_layers, num_layers),
+            mask_token_id=mask_token_id,
+            layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+            sliding_window=sliding_window,
+            num_target_layers=num_target_layers,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))  # [size]
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 and scale in the input dtype, as Qwen3 does (bf16 statistics lose acceptance).
+        x32 = x.float()  # [..., size]
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., size]
+        return self.weight * normed.to(x.dtype)  # [..., size]
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Plain (non-partial) RoPE tables for integer positions [...] -> cos, sin [..., D] in fp32."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim  # [D/2]
+    inv_freq = theta**-exponents  # [D/2]
+    angles = positions.float()[..., None] * inv_freq  # [..., D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., D]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [..., S, D] (half-split pairs i, i + D/2, the Transformers convention); cos/sin broadcast to it."""
+    x32 = x.float()  # [..., S, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # [..., S, D]
+    return (x32 * cos + rotated * sin).to(x.dtype)  # [..., S, D]
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_width, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.o_proj = nn.Linear(q_width, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [b, hkv, s, D]
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, hkv, s, D]
+        return apply_rope(k, cos, sin), v  # [b, hkv, s, D] x2
+
+    def forward(self, x: Tensor, context: Tensor, rope_block: tuple[Tensor, Tensor],
+                rope_context: tuple[Tensor, Tensor], mask: Tensor | BlockMask) -> Tensor:
+        """x [b, Q, H] block slots, context [b, T, H]; mask: dense bool [b, 1, Q, T+Q] (SDPA) or a BlockMask."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)  # [b, hq, Q, D]
+        q = apply_rope(q, *rope_block)  # [b, hq, Q, D]
+        k_ctx, v_ctx = self._keys_values(context, *rope_context)  # [b, hkv, T, D] x2
+        k_blk, v_blk = self._keys_values(x, *rope_block)  # [b, hkv, Q, D] x2
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [b, hkv, T+Q, D]
+        v = torch.cat([v_ctx, v_blk], dim=2)  # [b, hkv, T+Q, D]
+        if isinstance(mask, BlockMask):
+            out = _flex(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)  # [b, hq, Q, D]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, hq, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))  # [b, Q, H]
+
+
+@functools.cache
+def _flex(compiled: bool):
+    # Eager flex_attention materialises the whole score matrix; only the compiled kernel is fused (CUDA).
+    return torch.compile(flex_attention) if compiled else flex_attention
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [..., H]
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DrafterMLP(config)
+
+    def forward(self, x: Tensor, context: Tensor, rope_block, rope_context, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, mask)  # [b, Q, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [b, Q, H]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.num_tapped * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=INITIALIZER_RANGE)
+
+    def forward(self, context_states: Tensor, block_ids: Tensor, anchors: Tensor, head: TargetHead,
+                attention: Attention = "auto") -> Tensor:
+        """All blocks of a batch in one pass (no loop over blocks).
+
+        context_states [b, T, K*H] tapped target states (right padding is never seen: c < a_j < length);
+        block_ids [b, N, B] (trainer.anchors.gather_blocks); anchors [b, N] long, the position of each block's
+        slot 0. Padded (invalid) blocks are computed like the others and only need to be left out of the loss:
+        blocks never see each other. attention: "flex" (BlockMask), "sdpa" (dense boolean mask), or "auto"
+        (flex on CUDA, else SDPA). Returns the final-normed hidden states of every slot [b, N, B, H].
+        """
+        cfg = self.config
+        b, num_blocks, block_size = block_ids.shape
+        context_len, q_len = context_states.shape[1], num_blocks * block_size
+        context = self.hidden_norm(self.fc(context_states.to(self.fc.weight.dtype)))  # [b, T, H]
+        x = head.embed(block_ids).flatten(1, 2).to(context.dtype)  # [b, Q, H]
+        offsets = torch.arange(block_size, device=anchors.device)  # [B]
+        block_pos = (anchors[:, :, None] + offsets).flatten(1)  # [b, Q]
+        cos_b, sin_b = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta)  # [b, Q, D] x2
+        context_pos = torch.arange(context_len, device=anchors.device)  # [T]
+        cos_c, sin_c = rope_cos_sin(context_pos, cfg.head_dim, cfg.rope_theta)  # [T, D] x2
+        rope_block = (cos_b[:, None], sin_b[:, None])  # [b, 1, Q, D] x2
+        rope_context = (cos_c, sin_c)  # [T, D] x2
+        use_flex = attention == "flex" or (attention == "auto" and x.is_cuda)
+        masks = {}
+        for layer_type in dict.fromkeys(cfg.layer_types):
+            window = cfg.sliding_window if layer_type == "sliding_attention" else None
+            mask_mod = dflash_mask_mod(anchors, block_size, context_len, window)
+            if use_flex:
+                masks[layer_type] = create_block_mask(mask_mod, b, None, q_len, context_len + q_len,
+                                                      device=x.device, _compile=x.is_cuda)
+            else:
+                masks[layer_type] = dense_mask(mask_mod, b, q_len, context_len + q_len, x.device)  # [b, 1, Q, T+Q]
+        for layer, layer_type in zip(self.layers, cfg.layer_types):
+            x = layer(x, context, rope_block, rope_context, masks[layer_type])  # [b, Q, H]
+        return self.norm(x).view(b, num_blocks, block_size, -1)  # [b, N, B, H]
+
+    @torch.no_grad()
+    def draft(self, context_states: Tensor, last_token: Tensor, start_pos: int | Tensor, head: TargetHead,
+              attention: Attention = "auto") -> Tensor:
+        """One speculative-decoding step: block [last_token, MASK x (B-1)] at positions start_pos.. attending to
+        the committed context positions < start_pos (no KV cache: the context is re-projected on every call).
+
+        context_states [b, C, K*H] tapped states of committed positions (C >= start_pos; later ones are unseen);
+        last_token [b] the newest token, whose target states are not computed yet; start_pos an int or [b] long
+        (per-row positions of last_token). Returns logits [b, B-1, V] of slots 1..B-1 (argmax = greedy drafts).
+        """
+        b = last_token.shape[0]
+        anchors = torch.as_tensor(start_pos, device=last_token.device).expand(b).reshape(b, 1)  # [b, 1]
+        block_ids = torch.full((b, 1, self.config.block_size), self.config.mask_token_id,
+                               dtype=torch.long, device=last_token.device)  # [b, 1, B]
+        block_ids[:, 0, 0] = last_token
+        hidden = self(context_states, block_ids, anchors, head, attention)  # [b, 1, B, H]
+        return head.logits(hidden[:, 0, 1:].to(head.lm_head.dtype)).float()  # [b, B-1, V]
