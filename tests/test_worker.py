@@ -224,3 +224,26 @@ def test_out_of_memory_even_alone_gives_up_after_max_splits(tmp_path, redis_url,
     finally:
         handle.remove()
         extractor.close()
+
+
+def test_sigterm_finishes_the_current_chunk_then_exits(tmp_path, redis_url, tiny_qwen35):
+    from ops import status
+
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"data.chunk_tokens": 4096, "data.max_length": 2048})
+    run, report = admit_sample_data(settings, 240)
+    conn, name = run.conn, f"{HOST}.cpu0"
+    proc = subprocess.Popen(worker_cmd(settings, 0, burst=False), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not conn.hget(f"rq:worker:{name}", "current_job"):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    held = conn.hget(f"rq:worker:{name}", "current_job").decode()
+    listed = status.collect(run)["workers"]
+    assert [(w["name"], w["state"], w["current_chunk"]) for w in listed] == [(name, "busy", held)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    done = stream_chunks(conn, run.keys)
+    assert held in done and len(done) < report.admitted  # finished its chunk, took no new one
+    assert int(conn.get(run.keys.requeued) or 0) == 0
+    assert conn.hexists(f"rq:worker:{name}", "death") or not conn.exists(f"rq:worker:{name}")

@@ -12,6 +12,9 @@ from dflashq.chunk import Sample
 from dflashq.exceptions import ConfigError
 
 
+PAD_MULTIPLE = 64
+
+
 class _StopForward(Exception):
     """Raised by the deepest tapped layer's hook to end the forward pass early."""
 
@@ -102,7 +105,8 @@ def extract_samples(
     lengths = [len(s) for s in samples]
     results: list[torch.Tensor | None] = [None] * len(samples)
     for batch in micro_batches(lengths, batch_tokens):
-        width = lengths[batch[0]]
+        # widths rounded up to a multiple of 64: far fewer distinct shapes, so kernels autotune a few times, not per length
+        width = -(-lengths[batch[0]] // PAD_MULTIPLE) * PAD_MULTIPLE
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, i in enumerate(batch):

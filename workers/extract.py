@@ -52,13 +52,15 @@ def extract_chunk(payload: dict) -> dict:
 class Extractor:
     """The loaded target plus its capture hooks and writer threads; one per worker process."""
 
-    def __init__(self, run: Run, worker_name: str, device: str):
+    def __init__(self, run: Run, worker_name: str, device: str, model: torch.nn.Module | None = None):
+        """`model`: an already loaded target (benchmarks, notebooks); by default it is loaded from model.path."""
         global _active
         settings = run.settings
         self.run_ctx = run
         self.worker_name = worker_name
         self.device = torch.device(device)
-        self.model = load_target(settings.model.path, self.device, settings.model.dtype, settings.model.trust_remote_code)
+        self.model = model if model is not None else load_target(
+            settings.model.path, self.device, settings.model.dtype, settings.model.trust_remote_code)
         self.capture = HiddenStateCapture(self.model, run.layer_ids)
         self.batch_tokens = settings.workers.batch_tokens
         self.max_splits = settings.workers.max_splits

@@ -84,3 +84,32 @@ def verify_samples(
             report.max_rel_diff = max(report.max_rel_diff, rel_diff)
             report.mismatched_samples += int(rel_diff > tolerance)
     return reports, all(r.ok for r in reports)
+
+
+def verify_run(run, num_samples: int, device: str = "cpu", seed: int = 0) -> tuple[list[LayerReport], bool, int]:
+    """Recompute `num_samples` random samples of the run's stored blobs; returns (reports, ok, samples checked)."""
+    import random
+
+    from dflashq.blob import decode_blob
+    from dflashq.exceptions import InputError
+    from workers.target import load_target
+
+    paths = [fields[b"path"].decode() for _, fields in run.conn.xrange(run.keys.results)]
+    paths = [p for p in paths if run.store.exists(p)]
+    if not paths:
+        raise InputError(f"Run '{run.settings.run}' has no stored blobs to verify: run a worker first (with retention 'delete', verify before training).")
+    rng = random.Random(seed)
+    picks = sorted(rng.choices(range(len(paths)), k=num_samples))
+    samples, stored, dtype = [], [], None
+    for index in sorted(set(picks)):
+        blob = decode_blob(run.store.read(paths[index]))
+        dtype = blob.hidden.dtype
+        per_blob = list(blob.samples())
+        for _ in range(picks.count(index)):
+            hidden, ids, mask = per_blob[rng.randrange(len(per_blob))]
+            samples.append(Sample(ids.numpy(), mask.numpy()))
+            stored.append(hidden)
+    # the reference runs in the dtype the blobs were written in, so the tolerance is that dtype's
+    model = load_target(run.settings.model.path, device, dtype, run.settings.model.trust_remote_code)
+    reports, ok = verify_samples(model, run.layer_ids, samples, stored)
+    return reports, ok, len(samples)

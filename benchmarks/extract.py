@@ -1,0 +1,233 @@
+"""Extraction throughput on one GPU: bare forward vs the worker's real path, with MFU and bytes per token.
+
+A random-initialised Qwen3.6-27B-shaped text model (64 layers, every 4th full attention, H 5120, intermediate
+17408, vocab 248320, 24/4 heads of 256, linear attention 16 key / 48 value heads of 128), tapping
+[1, 16, 31, 46, 61] (z-lab convention). Chunks of `--chunk-tokens` tokens made of samples with random lengths in
+[--min-len, --max-len], right-padded, length-sorted micro-batches of at most `--batch-tokens` padded tokens.
+
+Measured, on the same chunks, in one run:
+  matmul   bf16 8192^3 matrix products: the ceiling MFU is computed against
+  bare     the plain decoder forward of all layers (no hooks, no logits)
+  capture  the hook capture that stops after the deepest tapped layer (no copy, no write)
+  e2e      workers.extract.Extractor.run: capture + byte-shuffle + copy to pinned memory + zstd + fsynced write +
+           announce on the results stream of a real Redis (private redis-server), until every blob is announced
+Usage: python benchmarks/extract.py [--tiny] [--chunks 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from dflashq import settings as settings_module  # noqa: E402
+from dflashq.chunk import Chunk, Sample  # noqa: E402
+from dflashq.run import Run  # noqa: E402
+from ops.redis_server import EmbeddedRedis  # noqa: E402
+from workers.capture import PAD_MULTIPLE, HiddenStateCapture, decoder_layers, micro_batches  # noqa: E402
+from workers.extract import Extractor  # noqa: E402
+from workers.target import block_unusable_kernels  # noqa: E402
+
+QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48)
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(device)
+    return 10 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
+
+
+def make_chunks(n, chunk_tokens, min_len, max_len, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    chunks, index = [], 0
+    for c in range(n):
+        samples, total = [], 0
+        while True:
+            length = int(rng.integers(min_len, max_len + 1))
+            if total + length > chunk_tokens:
+                break
+            ids = rng.integers(0, vocab, length).astype(np.int32)
+            samples.append(Sample(ids, np.ones(length, np.uint8), index))
+            total += length
+            index += 1
+        chunks.append(Chunk(f"bench-e0-{c:06d}", 0, samples))
+    return chunks
+
+
+def model_flops(model, chunks, deepest: int | None, config) -> float:
+    """2 * parameters * tokens over the decoder layers that run, plus causal attention of full-attention layers
+    (linear-attention recurrences, norms and activations are not counted)."""
+    layers = decoder_layers(model)
+    ran = range(len(layers) if deepest is None else deepest + 1)
+    params = sum(p.numel() for i in ran for p in layers[i].parameters())
+    full = sum(1 for i in ran if config.layer_types[i] == "full_attention")
+    flops = 0.0
+    for chunk in chunks:
+        for s in chunk.samples:
+            t = len(s)
+            flops += 2 * params * t + full * 2 * 2 * config.num_attention_heads * config.head_dim * t * (t + 1) / 2
+    return flops
+
+
+def timed(device, fn):
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (checks the script, measures nothing useful)")
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--chunk-tokens", type=int, default=16384)
+    parser.add_argument("--batch-tokens", type=int, default=16384)
+    parser.add_argument("--min-len", type=int, default=1024)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--writer-threads", type=int, default=8)
+    parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--out", default=None, help="folder for the blobs (default: a temporary folder)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type == "cpu":
+        block_unusable_kernels()
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    shape = TINY if args.tiny else QWEN36_27B
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape["num_hidden_layers"])]
+    config = Qwen3_5TextConfig(**shape, layer_types=layer_types, max_position_embeddings=32768)
+    layer_ids = [1, 16, 31, 46, 61] if not args.tiny else [1, 3, 5]
+    tmp = Path(args.out or tempfile.mkdtemp(prefix="dflashq-bench-"))
+    model_dir = tmp / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(model_dir)  # the manifest reads the target's depth from config.json; weights stay in memory
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    init_s = time.perf_counter() - started
+    params = sum(p.numel() for p in model.parameters())
+    ceiling = matmul_tflops(device)
+    chunks = make_chunks(args.chunks, args.chunk_tokens, args.min_len if not args.tiny else 16, args.max_len if not args.tiny else 128, shape["vocab_size"])
+    tokens = sum(c.tokens for c in chunks)
+
+    def batches(chunk):
+        lengths = [len(s) for s in chunk.samples]
+        for batch in micro_batches(lengths, args.batch_tokens):
+            width = -(-lengths[batch[0]] // PAD_MULTIPLE) * PAD_MULTIPLE  # the worker's padding
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, : lengths[i]] = torch.from_numpy(chunk.samples[i].input_ids.astype(np.int64))
+                mask[row, : lengths[i]] = 1
+            yield ids.to(device), mask.to(device)
+
+    @torch.inference_mode()
+    def bare():
+        for chunk in chunks:
+            for ids, mask in batches(chunk):
+                model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    def capture_only():
+        for chunk in chunks:
+            for ids, mask in batches(chunk):
+                capture.capture(ids, mask)
+
+    warmup_s = timed(device, bare)  # one untimed pass: Triton autotuning and kernel caches for every batch shape
+    bare_s = timed(device, bare)
+    capture = HiddenStateCapture(model, layer_ids)  # hooks on: from here on the forward stops after the deepest layer
+    capture_s = timed(device, capture_only)
+    capture.close()
+
+    server = EmbeddedRedis(str(tmp))
+    url = server.ensure()
+    try:
+        settings = settings_module.load(None, [
+            ("run", "bench"), ("redis.url", url), ("store.path", str(tmp / "store")), ("model.path", str(model_dir)),
+            ("model.layer_ids", ",".join(map(str, layer_ids))), ("data.max_length", args.max_len if not args.tiny else 128),
+            ("data.chunk_tokens", args.chunk_tokens), ("workers.batch_tokens", args.batch_tokens),
+            ("workers.writer_threads", args.writer_threads), ("workers.compress_level", args.level),
+        ], environ={})
+        run = Run.open(settings)
+        extractor = Extractor(run, "bench.gpu0", str(device), model=model)
+        extractor.run(chunks[0])  # warm-up: pinned buffers, zstd contexts
+        extractor.flush()
+        run.conn.delete(run.keys.finished)
+
+        def e2e():
+            for chunk in chunks:
+                extractor.run(chunk)
+            extractor.flush()
+
+        e2e_s = timed(device, e2e)
+        extractor.close()
+        stored = sum(int(v) for v in run.conn.hvals(run.keys.blob_bytes))
+        announced = run.conn.scard(run.keys.finished)
+    finally:
+        server.stop()
+    raw_bytes = tokens * len(layer_ids) * config.hidden_size * torch.empty(0, dtype=dtype).element_size()
+    bare_flops = model_flops(model, chunks, None, config)
+    capture_flops = model_flops(model, chunks, max(layer_ids), config)
+    result = {
+        "benchmark": "extract",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "model": "tiny qwen3_5" if args.tiny else "Qwen3.6-27B-shaped text model (random init)",
+        "params_b": round(params / 1e9, 2),
+        "init_seconds": round(init_s, 1), "warmup_seconds": round(warmup_s, 1),
+        "chunks": len(chunks), "samples": sum(len(c.samples) for c in chunks), "tokens": tokens,
+        "batch_tokens": args.batch_tokens, "sample_lengths": [args.min_len, args.max_len],
+        "matmul_tflops": round(ceiling, 1),
+        "bare_tokens_per_s": round(tokens / bare_s),
+        "capture_tokens_per_s": round(tokens / capture_s),
+        "e2e_tokens_per_s": round(tokens / e2e_s),
+        "e2e_vs_bare": round(bare_s / e2e_s, 3),
+        "bare_mfu": round(bare_flops / bare_s / 1e12 / ceiling, 3),
+        "e2e_mfu": round(capture_flops / e2e_s / 1e12 / ceiling, 3),
+        "announced_blobs": announced,
+        "bytes_per_token": round(stored / tokens),
+        "compression_ratio": round(raw_bytes / stored, 3),
+        "zstd_level": args.level, "writer_threads": args.writer_threads,
+        "fla": "fla" in sys.modules and sys.modules["fla"] is not None,
+        "machine": platform.node(),
+    }
+    print(json.dumps(result))
+    if not args.out:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""One optimisation step of the drafter, shared by the trainer daemon and the benchmark.
+
+fp32 master weights (the drafter's parameters stay fp32 and AdamW updates them in fp32) with bf16 compute under
+autocast on the GPU; on the CPU everything runs in fp32. Warm-up then cosine decay, gradient clipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from trainer.anchors import gather_blocks, sample_anchors
+from trainer.drafter import DFlashDrafter
+from trainer.loss import dflash_loss
+from trainer.target_head import TargetHead
+
+
+@dataclasses.dataclass
+class Batch:
+    context: Tensor  # [b, T, K*H] tapped target states, right-padded
+    input_ids: Tensor  # [b, T] long
+    loss_mask: Tensor  # [b, T] uint8 (0 on padding)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.shape[0] * self.loss_mask.shape[1])
+
+
+def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device | str) -> Batch:
+    """Per-sample (hidden [T, K, H], input_ids [T], loss_mask [T]) -> one right-padded batch on `device`."""
+    length = max(int(ids.shape[0]) for _, ids, _ in samples)
+    b = len(samples)
+    k, h = samples[0][0].shape[1:]
+    context = torch.zeros(b, length, k * h, dtype=samples[0][0].dtype)  # [b, T, K*H]
+    ids = torch.zeros(b, length, dtype=torch.long)  # [b, T]
+    mask = torch.zeros(b, length, dtype=torch.uint8)  # [b, T]
+    for row, (hidden, sample_ids, sample_mask) in enumerate(samples):
+        n = hidden.shape[0]
+        context[row, :n] = hidden.reshape(n, k * h)
+        ids[row, :n] = sample_ids.long()
+        mask[row, :n] = sample_mask
+    return Batch(context.to(device, non_blocking=True), ids.to(device), mask.to(device))
+
+
+def build_optimizer(drafter: DFlashDrafter, lr: float, weight_decay: float, warmup_steps: int, total_steps: int):
+    """AdamW over the drafter's (fp32) parameters and a linear warm-up + cosine decay schedule to zero."""
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    total_steps = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclasses.dataclass
+class StepStats:
+    loss: float
+    acc: list[float]  # per slot 1..B-1
+    eal: float
+    correct: Tensor  # [B-1], for averaging over steps
+    count: Tensor  # [B-1]
+    lr: float
+    grad_norm: float
+
+
+def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer, scheduler, *, num_anchors: int,
+               grad_clip: float, loss_chunk_rows: int, generator: torch.Generator | None = None) -> StepStats:
+    cfg = drafter.config
+    anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator)  # [b, N] x2
+    block_ids, targets, slot_valid = gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid,
+                                                   cfg.block_size, cfg.mask_token_id)  # [b, N, B] x3
+    on_gpu = batch.context.is_cuda
+    with torch.autocast(device_type=batch.context.device.type, dtype=torch.bfloat16, enabled=on_gpu):
+        hidden = drafter(batch.context, block_ids, anchors, head)  # [b, N, B, H]
+    # the head runs in its own dtype (bf16 on GPU): never a converted copy of the [V, H] matrix per step
+    out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, targets, slot_valid, chunk_rows=loss_chunk_rows)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+    optimizer.step()
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepStats(float(out.loss.detach()), out.acc.tolist(), float(out.eal), out.correct.detach().cpu(),
+                     out.count.detach().cpu(), lr, float(grad_norm))
