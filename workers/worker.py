@@ -83,6 +83,9 @@ class ExtractionWorker(SimpleWorker):
     # --- heartbeats -------------------------------------------------------------------------------------
     def heartbeat(self, timeout=None, pipeline=None):
         super().heartbeat(timeout or self.worker_ttl, pipeline=pipeline)
+        if pipeline is None:
+            # RQ's idle loop beats once per dequeue timeout without returning to us: look after dead peers here too
+            self._recover_peers()
 
     def get_heartbeat_ttl(self, job) -> int:
         return self.worker_ttl
@@ -98,6 +101,11 @@ class ExtractionWorker(SimpleWorker):
                 self._recover_peers()
             except Exception:  # a missed beat is not fatal; the next one may get through
                 log.exception("%s: heartbeat failed", self.name)
+
+    def clean_registries(self):
+        # RQ's own cleanup would move a dead worker's expired job to the failed registry: re-queue it first.
+        recovery.recover(self.connection, self.run_ctx.keys, self.queues)
+        super().clean_registries()
 
     def _recover_peers(self) -> None:
         """Every half worker_ttl, re-queue chunks of workers that died anywhere in the run."""
@@ -149,9 +157,7 @@ class ExtractionWorker(SimpleWorker):
             self.set_state(WorkerStatus.SUSPENDED)
             self.procline(f"waiting: {reason}")
             self.heartbeat()
-            self._recover_peers()
             if self._stop_requested:
                 raise StopRequested()
             time.sleep(self.poll_seconds)
-        self._recover_peers()
         return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
