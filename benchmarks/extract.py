@@ -35,7 +35,8 @@ from dflashq import settings as settings_module  # noqa: E402
 from dflashq.chunk import Chunk, Sample  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
-from workers.capture import PAD_MULTIPLE, HiddenStateCapture, decoder_layers, micro_batches  # noqa: E402
+from dflashq.chunk import micro_batches  # noqa: E402
+from workers.capture import PAD_MULTIPLE, HiddenStateCapture, decoder_layers  # noqa: E402
 from workers.extract import Extractor  # noqa: E402
 from workers.target import block_unusable_kernels  # noqa: E402
 

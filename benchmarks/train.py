@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from benchmarks.extract import QWEN36_27B, TINY, matmul_tflops, sync  # noqa: E402
 from trainer.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from trainer.step import Batch, build_optimizer, train_step  # noqa: E402
+from trainer.step import Batch, WarmupCosine, build_optimizer, train_step  # noqa: E402
 from trainer.target_head import TargetHead  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=head_dtype, device=device) * 0.02,
                       torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=head_dtype, device=device) * 0.02)
-    optimizer, scheduler = build_optimizer(drafter, 6e-4, 0.0, 10, 1000)
+    optimizer, scheduler = build_optimizer(drafter, 6e-4, 0.0, WarmupCosine(0.04, 1000))
     generator = torch.Generator(device=device).manual_seed(0)
     batch = Batch(
         torch.randn(args.batch, seq_len, cfg.num_tapped * cfg.hidden_size, dtype=head_dtype, device=device),  # [b, T, K*H]

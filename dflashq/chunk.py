@@ -81,3 +81,15 @@ def pack(samples: Iterable[Sample], chunk_tokens: int) -> Iterator[list[Sample]]
         size += len(sample)
     if current:
         yield current
+
+
+def micro_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Sample indices, longest first, grouped so that rows x longest row <= batch_tokens (longer: a batch alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches

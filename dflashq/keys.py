@@ -28,6 +28,15 @@ class Keys:
         return self.prefix + "store_bytes"
 
     @property
+    def reserved_bytes(self) -> str:
+        """Uncompressed sizes of chunks being extracted now (dflashq.budget): counted against the budget too."""
+        return self.prefix + "reserved_bytes"
+
+    def reservations(self, worker_name: str) -> str:
+        """Hash chunk id -> bytes reserved by one worker (so a dead worker's reservations can be released)."""
+        return f"{self.prefix}reservations:{worker_name}"
+
+    @property
     def blob_bytes(self) -> str:
         """Hash chunk id -> bytes of its announced, unacknowledged blob (keeps store_bytes exact on re-runs)."""
         return self.prefix + "blob_bytes"

@@ -82,6 +82,9 @@ class TrainSettings:
     checkpoint_every_steps: int = defaults.CHECKPOINT_EVERY_STEPS
     checkpoint_every_minutes: float = defaults.CHECKPOINT_EVERY_MINUTES
     loss_chunk_rows: int = defaults.LOSS_CHUNK_ROWS
+    micro_batch_tokens: int = defaults.MICRO_BATCH_TOKENS
+    claim_idle_seconds: float = defaults.CLAIM_IDLE_SECONDS
+    log_file: str = defaults.TRAIN_LOG
     sliding_window: int = defaults.SLIDING_WINDOW
     rope_theta: float = defaults.ROPE_THETA
     seed: int = defaults.SEED

@@ -197,6 +197,31 @@ def tiny_model(out, arch, seed):
     click.echo(write_tiny_model(out, arch, seed))
 
 
+# --- trainer ------------------------------------------------------------------------------------------------
+@main.command()
+@run_options
+@click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when a GPU is visible).")
+@click.option("--max-steps", type=int, default=None, help="Stop after this many steps (then checkpoint).")
+@click.option("--no-progress", is_flag=True)
+def train(settings, device, max_steps, no_progress):
+    """Run the trainer daemon: consume blobs, train the drafter, checkpoint, until the epochs are done."""
+    import torch
+
+    from trainer.daemon import Trainer
+
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    report = Trainer(open_run(settings), device, progress=not no_progress).run_until_done(max_steps)
+    table = Table(title=f"trainer of run '{settings.run}'" + (" (stopped)" if report.stopped else " (done)"), show_header=False)
+    table.add_row("steps", str(report.steps))
+    table.add_row("epochs done", f"{report.epochs_done} / {settings.train.epochs}")
+    for epoch in sorted(report.consumed):
+        table.add_row(f"epoch {epoch}", f"{report.consumed[epoch]} chunks trained, {report.duplicates_skipped.get(epoch, 0)} duplicates skipped")
+    if report.last_loss is not None:
+        table.add_row("last loss / EAL", f"{report.last_loss:.4f} / {report.last_eal:.3f}")
+    table.add_row("checkpoint", str(report.checkpoint))
+    console.print(table)
+
+
 # --- redis --------------------------------------------------------------------------------------------------
 @main.group(name="redis", cls=Cli)
 def redis_group():

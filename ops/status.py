@@ -69,7 +69,8 @@ def collect(run: Run) -> dict:
             "requeued": int(run.conn.get(run.keys.requeued) or 0),
         },
         "backlog": {"current": int(run.conn.scard(run.keys.inflight)), "limit": settings.backpressure.max_backlog},
-        "store": {"bytes": int(run.conn.get(run.keys.store_bytes) or 0), "limit": settings.backpressure.max_store_bytes},
+        "store": {"bytes": int(run.conn.get(run.keys.store_bytes) or 0), "limit": settings.backpressure.max_store_bytes,
+                  "reserved": int(run.conn.get(run.keys.reserved_bytes) or 0)},
         "workers": _workers(run, queues),
         "trainer": _trainer(run),
     }
@@ -85,7 +86,7 @@ def render(data: dict, redis_url: str):
     head.add_row("chunks", "  ".join(f"{k} {v}" for k, v in chunks.items()))
     full = backlog["current"] >= backlog["limit"]
     head.add_row("backlog", f"{'[yellow]' if full else ''}{backlog['current']} / {backlog['limit']}")
-    head.add_row("store", f"{store['bytes'] / 1e9:.3f} / {store['limit'] / 1e9:.3f} GB")
+    head.add_row("store", f"{store['bytes'] / 1e9:.3f} / {store['limit'] / 1e9:.3f} GB (+{store['reserved'] / 1e9:.3f} GB reserved by running chunks)")
     parts = [head]
     if data["workers"]:
         workers = Table(title="workers")

@@ -16,6 +16,7 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from dflashq.budget import used_bytes
 from dflashq.chunk import Chunk
 from dflashq.keys import EXTRACT_FUNCTION, Keys
 from dflashq.store import Store
@@ -63,7 +64,7 @@ class Admission:
         return int(self.conn.scard(self.keys.inflight))
 
     def store_bytes(self) -> int:
-        return int(self.conn.get(self.keys.store_bytes) or 0)
+        return used_bytes(self.conn, self.keys)
 
     def try_admit(self, chunk: Chunk) -> Outcome:
         admitted_key = self.keys.admitted(chunk.epoch)
@@ -75,12 +76,12 @@ class Admission:
         with self.conn.pipeline() as pipe:
             while True:
                 try:
-                    pipe.watch(self.keys.inflight, self.keys.store_bytes, admitted_key)
+                    pipe.watch(self.keys.inflight, self.keys.store_bytes, self.keys.reserved_bytes, admitted_key)
                     if pipe.sismember(admitted_key, chunk.id):
                         return Outcome.DUPLICATE
                     if pipe.scard(self.keys.inflight) >= self.max_backlog:
                         return Outcome.WAIT
-                    if int(pipe.get(self.keys.store_bytes) or 0) >= self.max_store_bytes:
+                    if used_bytes(pipe, self.keys) >= self.max_store_bytes:
                         return Outcome.WAIT
                     pipe.multi()
                     pipe.sadd(admitted_key, chunk.id)

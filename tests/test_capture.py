@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from dflashq.blob import decode_blob, encode_blob
 from dflashq.chunk import Sample
 from dflashq.exceptions import ConfigError, InputError
-from workers.capture import HiddenStateCapture, decoder_layers, extract_samples, micro_batches
+from dflashq.chunk import micro_batches
+from workers.capture import HiddenStateCapture, decoder_layers, extract_samples
 from workers.target import load_target
 from workers.tiny_model import ARCHS, VOCAB_SIZE, write_tiny_model
 from workers.verify import verify_samples

@@ -45,18 +45,27 @@ def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device |
     return Batch(context.to(device, non_blocking=True), ids.to(device), mask.to(device))
 
 
-def build_optimizer(drafter: DFlashDrafter, lr: float, weight_decay: float, warmup_steps: int, total_steps: int):
-    """AdamW over the drafter's (fp32) parameters and a linear warm-up + cosine decay schedule to zero."""
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-    total_steps = max(total_steps, 1)
+class WarmupCosine:
+    """Learning-rate factor: linear warm-up over `warmup_ratio` of the horizon, then cosine decay to zero. The
+    horizon `total` may grow while training runs (the trainer learns an epoch's size only when the producer has
+    seen the whole dataset); LambdaLR calls this object every step, so the new horizon applies at once."""
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    def __init__(self, warmup_ratio: float, total: int):
+        self.warmup_ratio = warmup_ratio
+        self.total = max(1, total)
+
+    def __call__(self, step: int) -> float:
+        warmup = max(1, int(self.warmup_ratio * self.total))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, self.total - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+def build_optimizer(drafter: DFlashDrafter, lr: float, weight_decay: float, schedule: WarmupCosine):
+    """AdamW over the drafter's (fp32) parameters, and its LambdaLR scheduler following `schedule`."""
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 @dataclasses.dataclass
@@ -71,7 +80,10 @@ class StepStats:
 
 
 def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer, scheduler, *, num_anchors: int,
-               grad_clip: float, loss_chunk_rows: int, generator: torch.Generator | None = None) -> StepStats:
+               grad_clip: float, loss_chunk_rows: int, generator: torch.Generator | None = None,
+               accumulate: int = 1, apply: bool = True) -> StepStats:
+    """Forward and backward of one (micro-)batch; with `apply`, also clip, step the optimizer and the schedule.
+    Micro-batches of one step pass accumulate = their number, and apply=True on the last one only."""
     cfg = drafter.config
     anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator)  # [b, N] x2
     block_ids, targets, slot_valid = gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid,
@@ -81,11 +93,13 @@ def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer
         hidden = drafter(batch.context, block_ids, anchors, head)  # [b, N, B, H]
     # the head runs in its own dtype (bf16 on GPU): never a converted copy of the [V, H] matrix per step
     out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, targets, slot_valid, chunk_rows=loss_chunk_rows)
-    out.loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
-    optimizer.step()
+    (out.loss / accumulate).backward()
     lr = scheduler.get_last_lr()[0]
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = float("nan")
+    if apply:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
     return StepStats(float(out.loss.detach()), out.acc.tolist(), float(out.eal), out.correct.detach().cpu(),
-                     out.count.detach().cpu(), lr, float(grad_norm))
+                     out.count.detach().cpu(), lr, grad_norm)

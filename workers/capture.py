@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dflashq.chunk import Sample
+from dflashq.chunk import Sample, micro_batches
 from dflashq.exceptions import ConfigError
 
 
@@ -79,18 +79,6 @@ class HiddenStateCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def micro_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Sample indices, longest first, grouped so that rows x longest row <= batch_tokens (longer: a batch alone)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def extract_samples(

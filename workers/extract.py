@@ -19,21 +19,24 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from dflashq.blob import encode_blob, shuffle_bytes
+from dflashq.budget import RELEASE_LUA, release, reserve
 from dflashq.chunk import Chunk
 from dflashq.exceptions import JobRefused
 from dflashq.run import Run
-from workers.capture import HiddenStateCapture, extract_samples, micro_batches
+from dflashq.chunk import micro_batches
+from workers.capture import HiddenStateCapture, extract_samples
 from workers.recovery import requeue_front, unannounced_key
 from workers.target import load_target
 
-# Announce exactly once: only the first writer of a chunk id adds the stream entry and counts its bytes.
-_ANNOUNCE = """
-redis.call('SREM', KEYS[4], ARGV[1])
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', 'chunk', ARGV[1], 'path', ARGV[2], 'tokens', ARGV[3], 'samples', ARGV[4],
+# Announce exactly once: only the first writer of a chunk id adds the stream entry and counts its bytes; the
+# chunk's budget reservation turns into its real size either way.
+_ANNOUNCE = RELEASE_LUA + """
+redis.call('SREM', KEYS[6], ARGV[1])
+if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[4], '*', 'chunk', ARGV[1], 'path', ARGV[2], 'tokens', ARGV[3], 'samples', ARGV[4],
            'bytes', ARGV[5], 'epoch', ARGV[6], 'worker', ARGV[7])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
-redis.call('INCRBY', KEYS[5], ARGV[5])
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[5])
+redis.call('INCRBY', KEYS[7], ARGV[5])
 return 1
 """
 
@@ -77,6 +80,11 @@ class Extractor:
         self.first_start: float | None = None
         _active = self
 
+    def chunk_bytes(self, tokens: int) -> int:
+        """Upper bound of a chunk's blob: its hidden states uncompressed."""
+        hidden = self.model.config.get_text_config().hidden_size
+        return tokens * len(self.run_ctx.layer_ids) * hidden * self.model.dtype.itemsize
+
     # --- forward ------------------------------------------------------------------------------------------
     def _forward(self, chunk: Chunk) -> list[torch.Tensor]:
         """Per-sample hidden states; a chunk that runs out of GPU memory is split into smaller batches."""
@@ -108,10 +116,23 @@ class Extractor:
         host.copy_(planes, non_blocking=True)
         return host
 
+    def _reserve(self, chunk: Chunk) -> None:
+        """Hold the chunk's uncompressed size against the store budget before computing it (dflashq.budget);
+        waits (heartbeating: the job is started) while the trainer has not freed enough."""
+        run = self.run_ctx
+        need = self.chunk_bytes(chunk.tokens)
+        while not reserve(run.conn, run.keys, self.worker_name, chunk.id, need, run.settings.backpressure.max_store_bytes):
+            time.sleep(run.settings.backpressure.poll_seconds)
+
     def run(self, chunk: Chunk) -> dict:
         if self.first_start is None:
             self.first_start = time.perf_counter()
-        states = self._forward(chunk)  # per sample [T_i, K, H] on the device
+        self._reserve(chunk)
+        try:
+            states = self._forward(chunk)  # per sample [T_i, K, H] on the device
+        except BaseException:
+            release(self.run_ctx.conn, self.run_ctx.keys, self.worker_name, chunk.id)
+            raise
         hidden = torch.cat(states) if len(states) > 1 else states[0]  # [N, K, H]
         planes = shuffle_bytes(hidden)  # [itemsize, N, K, H] uint8, shuffled on the device
         while len(self.pending) >= 2:  # bounded: one blob being written while this one is computed
@@ -136,6 +157,7 @@ class Extractor:
             # The job already returned: give the chunk back to the queue rather than lose it.
             log.exception("writing the blob of %s failed; re-queueing it", chunk.id)
             conn = self.run_ctx.conn
+            release(conn, self.run_ctx.keys, self.worker_name, chunk.id)
             requeue_front(conn, Job.fetch(chunk.id, connection=conn, serializer=JSONSerializer))
             conn.srem(unannounced_key(self.run_ctx.keys, self.worker_name), chunk.id)
             raise
@@ -156,7 +178,8 @@ class Extractor:
         path = run.store.blob_path(chunk.id, chunk.epoch)
         size = run.store.write_atomic(path, buffers)
         self._announce(
-            keys=[keys.finished, keys.results, keys.blob_bytes, unannounced_key(keys, self.worker_name), keys.store_bytes],
+            keys=[keys.reserved_bytes, keys.reservations(self.worker_name), keys.finished, keys.results,
+                  keys.blob_bytes, unannounced_key(keys, self.worker_name), keys.store_bytes],
             args=[chunk.id, path, chunk.tokens, len(chunk.samples), size, chunk.epoch, self.worker_name],
         )
         with self._lock:

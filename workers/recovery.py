@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import current_timestamp
 from rq.worker_registration import unregister
 
+from dflashq.budget import release_all
 from dflashq.keys import Keys
 
 
@@ -91,6 +92,7 @@ def release_worker(conn: redis.Redis, keys: Keys, name: str, queues: list[Queue]
             requeue_front(conn, job)
             requeued.append(job_id)
     conn.delete(pending)
+    release_all(conn, keys, name)
     if requeued:
         conn.incrby(keys.requeued, len(requeued))
     worker = Worker(queues or [Queue(keys.shared_queue, connection=conn)], name=name, connection=conn)

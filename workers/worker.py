@@ -18,6 +18,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker.base import WorkerStatus
 
+from dflashq.budget import used_bytes
 from dflashq.exceptions import DflashqError
 from dflashq.keys import EXTRACT_FUNCTION
 from dflashq.run import Run
@@ -148,7 +149,7 @@ class ExtractionWorker(SimpleWorker):
         conn, keys = self.connection, self.run_ctx.keys
         if conn.sismember(keys.paused, self.name) or conn.sismember(keys.paused, "*"):
             return "paused"
-        if int(conn.get(keys.store_bytes) or 0) >= self.max_store_bytes:
+        if used_bytes(conn, keys) >= self.max_store_bytes:
             return "store over budget"
         return None
 
