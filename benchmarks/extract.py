@@ -36,9 +36,10 @@ from dflashq.chunk import Chunk, Sample  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
 from dflashq.chunk import micro_batches  # noqa: E402
-from workers.capture import PAD_MULTIPLE, HiddenStateCapture, decoder_layers  # noqa: E402
+from dflashq.capture import HiddenStateCapture, decoder_layers  # noqa: E402
+from workers.capture import PAD_MULTIPLE  # noqa: E402
 from workers.extract import Extractor  # noqa: E402
-from workers.target import block_unusable_kernels  # noqa: E402
+from dflashq.target import block_unusable_kernels  # noqa: E402
 
 QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                   num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_key_head_dim=128,

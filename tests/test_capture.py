@@ -14,8 +14,9 @@ from dflashq.blob import decode_blob, encode_blob
 from dflashq.chunk import Sample
 from dflashq.exceptions import ConfigError, InputError
 from dflashq.chunk import micro_batches
-from workers.capture import HiddenStateCapture, decoder_layers, extract_samples
-from workers.target import load_target
+from dflashq.capture import HiddenStateCapture, decoder_layers
+from workers.capture import extract_samples
+from dflashq.target import load_target
 from workers.tiny_model import ARCHS, VOCAB_SIZE, write_tiny_model
 from workers.verify import verify_samples
 

@@ -28,7 +28,7 @@ from dflashq.run import Run
 from producers.produce import produce
 from producers.records import data_fingerprint
 from producers.sample_data import write_sample_data
-from workers.capture import decoder_layers
+from dflashq.capture import decoder_layers
 from workers.extract import Extractor
 from workers.verify import verify_samples
 
@@ -88,7 +88,7 @@ def test_worker_writes_verified_blobs_and_announces_each_once(tmp_path, redis_ur
     progress = json.loads(run.conn.hget(run.keys.workers, f"{HOST}.cpu0"))
     assert progress["tokens_done"] == report.tokens
     # the stored states are what a plain unbatched Transformers forward computes
-    from workers.target import load_target
+    from dflashq.target import load_target
 
     model = load_target(tiny_qwen35)
     path = run.conn.xrange(run.keys.results)[0][1][b"path"].decode()

@@ -57,6 +57,7 @@ class ResultsConsumer:
         self.name = name
         self.claim_idle_ms = int(claim_idle_seconds * 1000)
         self._own_pending_done = False
+        self._pending_cursor = "0"  # own pending entries are read once each, from the oldest on
         self._ack = conn.register_script(_ACK)
         try:
             conn.xgroup_create(keys.results, TRAINER_GROUP, id="0", mkstream=True)
@@ -67,10 +68,10 @@ class ResultsConsumer:
     def read(self, count: int, block_ms: int) -> list[Entry]:
         """Own pending entries (a restart), then entries of dead consumers, then new ones."""
         if not self._own_pending_done:
-            raw = self.conn.xreadgroup(TRAINER_GROUP, self.name, {self.keys.results: "0"}, count=count)
-            entries = _entries(raw[0][1]) if raw else []
-            if entries:
-                return entries
+            raw = self.conn.xreadgroup(TRAINER_GROUP, self.name, {self.keys.results: self._pending_cursor}, count=count)
+            if raw and raw[0][1]:
+                self._pending_cursor = raw[0][1][-1][0].decode()
+                return _entries(raw[0][1])
             self._own_pending_done = True
         claimed = self.conn.xautoclaim(self.keys.results, TRAINER_GROUP, self.name, self.claim_idle_ms, "0-0", count=count)
         entries = _entries(claimed[1])

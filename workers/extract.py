@@ -24,9 +24,10 @@ from dflashq.chunk import Chunk
 from dflashq.exceptions import JobRefused
 from dflashq.run import Run
 from dflashq.chunk import micro_batches
-from workers.capture import HiddenStateCapture, extract_samples
+from dflashq.capture import HiddenStateCapture
+from workers.capture import extract_samples
 from workers.recovery import requeue_front, unannounced_key
-from workers.target import load_target
+from dflashq.target import load_target
 
 # Announce exactly once: only the first writer of a chunk id adds the stream entry and counts its bytes; the
 # chunk's budget reservation turns into its real size either way.

@@ -14,7 +14,7 @@ import shutil
 import torch
 
 from dflashq.exceptions import InputError
-from workers.target import block_unusable_kernels
+from dflashq.target import block_unusable_kernels
 
 ARCHS = ("qwen3_5", "qwen3_next", "llama")
 VOCAB_SIZE = 151936

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from dflashq.chunk import Sample
-from workers.capture import decoder_layers
+from dflashq.capture import decoder_layers
 
 # Largest allowed max|stored - reference| as a fraction of the layer's max|reference|. Stored states come from
 # padded batches whose kernels sum in another order: fp32 agrees to rounding; bf16 keeps 8 mantissa bits.
@@ -92,7 +92,7 @@ def verify_run(run, num_samples: int, device: str = "cpu", seed: int = 0) -> tup
 
     from dflashq.blob import decode_blob
     from dflashq.exceptions import InputError
-    from workers.target import load_target
+    from dflashq.target import load_target
 
     paths = [fields[b"path"].decode() for _, fields in run.conn.xrange(run.keys.results)]
     paths = [p for p in paths if run.store.exists(p)]

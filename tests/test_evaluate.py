@@ -1,0 +1,160 @@
+"""Speculative decoding against real tiny targets (hybrid Qwen3.5-style: cache replayed; Llama: cache cropped) must
+equal plain greedy decoding token for token; offline blob metrics; the acceptance rule as a pure function."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflashq.blob import decode_blob, encode_blob
+from dflashq.exceptions import ConfigError, InputError
+from trainer.anchors import gather_blocks, sample_anchors
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from dflashq.capture import HiddenStateCapture
+from trainer.evaluate import (accept_length, evaluate_blobs, evaluate_prompts, greedy_generate,
+                              read_prompts, speculative_generate, target_head)
+from trainer.export import export_drafter
+from trainer.loss import dflash_loss
+from dflashq.target import load_target
+from workers.tiny_model import EOS_ID, write_tiny_model
+
+MASK_ID = 151669
+PROMPTS = ([1, 2, 3, 4, 5], [9000, 9001, 9002])
+
+
+def make_drafter(model_dir: str, block_size: int, num_layers: int = 1) -> DFlashDrafter:
+    with open(f"{model_dir}/config.json") as f:
+        target = json.load(f)
+    config = DrafterConfig.default_for_target(target, num_layers=num_layers, mask_token_id=MASK_ID,
+                                              block_size=block_size)
+    torch.manual_seed(0)
+    return DFlashDrafter(config)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tiny_qwen35):
+    return load_target(tiny_qwen35)
+
+
+def test_accept_length():
+    assert accept_length([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accept_length([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accept_length([5, 6, 7], [4, 6, 7, 8]) == 0
+    assert accept_length([], [4]) == 0
+
+
+def test_untrained_drafter_is_lossless_on_hybrid_target(qwen35, tiny_qwen35):
+    assert qwen35.model.layers[0].linear_attn is not None  # really the hybrid (linear-attention) target
+    drafter = make_drafter(tiny_qwen35, block_size=8).eval()
+    head = target_head(qwen35)
+    for prompt in PROMPTS:
+        result = speculative_generate(qwen35, drafter, head, prompt, 12, {EOS_ID})
+        assert result.tokens == greedy_generate(qwen35, prompt, 12, {EOS_ID})
+        assert len(result.tokens) == 12 and result.tau >= 1.0
+        assert sum(result.committed) == 11  # the first token comes from the prefill, not from a verification pass
+
+
+def overfit(drafter: DFlashDrafter, head, target, prompt: list[int], continuation: list[int], steps: int):
+    """Train the drafter on the target's own continuation of one prompt until some of its drafts get accepted."""
+    sequence = torch.tensor([prompt + continuation])  # [1, T]
+    tapped = HiddenStateCapture(target, drafter.config.target_layer_ids, stop_after_deepest=False)
+    with torch.no_grad():
+        target(input_ids=sequence)
+    context = tapped.take().flatten(2)  # [1, T, K*H]
+    tapped.close()
+    loss_mask = torch.zeros_like(sequence, dtype=torch.uint8)
+    loss_mask[:, len(prompt) - 1:] = 1
+    with torch.no_grad():
+        drafter.norm.weight.fill_(30.0)  # the tiny target's head has small weights: start with useful logit scale
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=2e-2)
+    for _ in range(steps):
+        anchors, valid = sample_anchors(loss_mask, 64)
+        blocks, targets, slot_valid = gather_blocks(sequence, loss_mask, anchors, valid, drafter.config.block_size,
+                                                    MASK_ID)
+        dflash_loss(drafter(context, blocks, anchors, head), head.lm_head, targets, slot_valid).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+def test_partly_accepted_drafts_stay_lossless(arch, tiny_qwen35, tmp_path):
+    """Accepted, partly accepted and rejected blocks, through both cache rollbacks (replay: hybrid; crop: Llama)."""
+    model_dir = tiny_qwen35 if arch == "qwen3_5" else write_tiny_model(str(tmp_path), "llama")
+    target = load_target(model_dir)
+    head = target_head(target)
+    prompt = [1, 2, 3, 4, 5]
+    reference = greedy_generate(target, prompt, 16, set())
+    drafter = overfit(make_drafter(model_dir, block_size=4), head, target, prompt, reference, steps=40)
+    result = speculative_generate(target, drafter, head, prompt, 16, set())
+    assert result.tokens == reference
+    assert max(result.committed) > 1 and min(result.committed) < 4  # some drafts accepted, some rejected
+    assert result.tau == sum(result.committed) / len(result.committed)
+
+
+def test_evaluate_prompts_reports_tau_and_lossless(qwen35, tiny_qwen35, tmp_path):
+    exported = export_drafter(make_drafter(tiny_qwen35, block_size=4), tmp_path / "drafter")
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"prompt": "Hello"}) + "\n\n"
+                            + json.dumps({"messages": [{"role": "user", "content": "Count to 3"}]}) + "\n")
+    prompts = read_prompts(prompts_file)
+    assert prompts == ["Hello", [{"role": "user", "content": "Count to 3"}]]
+    report = evaluate_prompts(tiny_qwen35, exported, prompts, max_new_tokens=8, device="cpu")
+    assert report["lossless"] and len(report["prompts"]) == 2
+    for entry in report["prompts"]:
+        assert entry["lossless"] and entry["first_mismatch"] is None
+        assert entry["new_tokens"] == 8 and entry["tau"] >= 1.0
+    assert report["mean_tau"] == sum(e["tau"] for e in report["prompts"]) / 2
+
+
+def test_read_prompts_rejects_bad_lines(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(InputError, match="line 1"):
+        read_prompts(bad)
+    with pytest.raises(InputError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_evaluate_blobs_counts_every_valid_slot(qwen35, tiny_qwen35):
+    drafter = make_drafter(tiny_qwen35, block_size=4, num_layers=2).eval()
+    layer_ids = drafter.config.target_layer_ids
+    tapped = HiddenStateCapture(qwen35, layer_ids, stop_after_deepest=False)
+    samples = [torch.arange(10, 30), torch.arange(500, 512)]
+    hidden, masks = [], []
+    for ids in samples:
+        with torch.no_grad():
+            qwen35(input_ids=ids[None])
+        hidden.append(tapped.take()[0])  # [T, K, H]
+        mask = torch.zeros(len(ids), dtype=torch.uint8)
+        mask[4:] = 1
+        masks.append(mask)
+    tapped.close()
+    offsets = [0, len(samples[0]), len(samples[0]) + len(samples[1])]
+    meta = {"run": "test", "chunk_id": "c0", "epoch": 0, "layer_ids": layer_ids}
+    blob = decode_blob(b"".join(bytes(b) for b in encode_blob(torch.cat(hidden), torch.cat(samples), torch.cat(masks),
+                                                              offsets, meta)))
+    head = target_head(qwen35)
+    report = evaluate_blobs(drafter, head, [blob], num_anchors=512, seed=0)
+    # every candidate anchor is drawn (512 > candidates); slot k counts anchors a with a + k inside the sample
+    assert report["samples"] == 2
+    assert report["slots"] == [sum(max(0, len(s) - 4 - k) for s in samples) for k in (1, 2, 3)]
+    assert len(report["acc"]) == 3 and 1.0 <= report["eal"] <= 4.0
+    # the same numbers from the training-time loss on the first sample alone
+    first = evaluate_blobs(drafter, head, [decode_blob(b"".join(bytes(b) for b in encode_blob(
+        hidden[0], samples[0], masks[0], [0, len(samples[0])], meta)))], num_anchors=512, seed=0)
+    anchors, valid = sample_anchors(masks[0][None], 512)
+    blocks, targets, slot_valid = gather_blocks(samples[0][None].long(), masks[0][None], anchors, valid, 4, MASK_ID)
+    with torch.no_grad():
+        out = dflash_loss(drafter(hidden[0].reshape(1, len(samples[0]), -1), blocks, anchors, head), head.lm_head,
+                          targets, slot_valid)
+    assert first["acc"] == pytest.approx(out.acc.tolist()) and first["loss"] == pytest.approx(float(out.loss))
+    wrong = drafter.config.target_layer_ids
+    drafter.config.target_layer_ids = [0, 1]
+    try:
+        with pytest.raises(ConfigError, match="holds layers"):
+            evaluate_blobs(drafter, head, [blob], num_anchors=512, seed=0)
+    finally:
+        drafter.config.target_layer_ids = wrong

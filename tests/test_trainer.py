@@ -1,0 +1,198 @@
+"""The trainer daemon against a real Redis and real blobs: exactly once per epoch across crashes, retention,
+status, and backpressure end to end."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from dflashq import settings as S
+from dflashq.budget import used_bytes
+from dflashq.keys import TRAINER_GROUP
+from dflashq.run import Run
+from producers.produce import produce
+from producers.records import data_fingerprint
+from producers.sample_data import write_sample_data
+from trainer import checkpoint
+from trainer.daemon import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAST = {"data.tokenize_processes": 1, "data.max_length": 256, "data.chunk_tokens": 512, "train.num_layers": 2,
+        "train.num_anchors": 16, "train.block_size": 4, "train.micro_batch_tokens": 1024, "train.epochs": 1,
+        "train.checkpoint_every_steps": 3, "workers.heartbeat_seconds": 0.5, "workers.worker_ttl": 3,
+        "backpressure.poll_seconds": 0.05, "train.claim_idle_seconds": 1}
+
+
+def make_settings(tmp_path, redis_url, model, **extra):
+    values = {"run": "t", "redis.url": redis_url, "store.path": str(tmp_path / "store"), "model.path": model,
+              "data.paths": str(tmp_path / "data.jsonl"), **FAST, **extra}
+    return S.load(None, list(values.items()), environ={})
+
+
+def cli_args(settings, extra=()):
+    args = ["--run", settings.run, "--redis-url", settings.redis.url, "--store", settings.store.path,
+            "--model", settings.model.path]
+    for key in [*FAST, "store.retention", "train.epochs", "backpressure.max_store_bytes", "backpressure.max_backlog"]:
+        section, name = key.split(".")
+        args += ["-s", f"{key}={getattr(getattr(settings, section), name)}"]
+    return args + list(extra)
+
+
+def produce_and_extract(settings, conversations=48, epochs=1):
+    write_sample_data(settings.data.paths[0], n=conversations)
+    run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+    report = produce(run, epochs=epochs, progress=False)
+    worker = subprocess.run([sys.executable, "-m", "ops.cli", "worker", "--device", "cpu", "--burst", *cli_args(settings)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    return run, report
+
+
+def final_state(settings) -> checkpoint.TrainState:
+    root = Path(settings.run_dir) / "checkpoints"
+    meta = json.loads((checkpoint.latest(root) / "state.json").read_text())["train_state"]
+    return checkpoint.TrainState(meta["step"], meta["epoch"], {int(k): v for k, v in meta["consumed"].items()},
+                                 {int(k): v for k, v in meta["duplicates_skipped"].items()}, meta["tokens"])
+
+
+def stream_chunk_ids(conn, keys, epoch):
+    return sorted({f[b"chunk"].decode() for _, f in conn.xrange(keys.results) if int(f[b"epoch"]) == epoch})
+
+
+def assert_backlog_drained(run):
+    conn, keys = run.conn, run.keys
+    assert conn.scard(keys.inflight) == 0
+    assert int(conn.get(keys.store_bytes) or 0) == 0 and int(conn.get(keys.reserved_bytes) or 0) == 0
+    assert conn.xpending(keys.results, TRAINER_GROUP)["pending"] == 0
+
+
+def test_sigkill_mid_run_then_restart_trains_every_chunk_exactly_once(tmp_path, redis_url, tiny_qwen35):
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35)
+    run, report = produce_and_extract(settings)
+    assert report.admitted >= 6
+    cmd = [sys.executable, "-m", "ops.cli", "train", "--device", "cpu", "--no-progress", *cli_args(settings)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while json.loads(run.conn.hget(run.keys.trainer, "step") or b"0") < 4:  # past the first checkpoint (step 3)
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.poll() is not None else "slow"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = final_state(settings)
+    assert 0 < len(killed_at.consumed[0]) < report.admitted
+    restarted = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    state = final_state(settings)
+    trained = state.consumed[0]
+    assert len(trained) == len(set(trained)) == report.admitted  # each chunk once in the surviving model
+    assert sorted(trained) == stream_chunk_ids(run.conn, run.keys, 0)
+    assert state.step == report.admitted and state.epoch == 1
+    assert_backlog_drained(run)
+    assert not list(Path(run.store.path("blobs", "e0")).glob("*.dfq"))  # retention delete: trained blobs removed
+    status = {k.decode(): json.loads(v) for k, v in run.conn.hgetall(run.keys.trainer).items()}
+    assert status["done"] is True and status["consumed_total"] == report.admitted and status["epoch"] == 1
+    assert "chunks trained" in restarted.stdout and "duplicates skipped" in restarted.stdout
+    log = [json.loads(line) for line in Path(run.store.path("train_log.jsonl")).read_text().splitlines()]
+    assert any(r.get("event") == "resumed" for r in log)
+    assert all(len(r["acc"]) == settings.train.block_size - 1 and r["eal"] >= 1 for r in log if "step" in r and "acc" in r)
+
+
+def test_crash_between_checkpoint_and_ack_skips_duplicates(tmp_path, redis_url, tiny_qwen35):
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.checkpoint_every_steps": 1000})
+    run, report = produce_and_extract(settings)
+    first = Trainer(run, "cpu", progress=False)
+    first.run_until_done(max_steps=3)  # stops with a final checkpoint and ack
+    trained_before = list(first.state.consumed[0])
+    for entry in first._next_entries() + first._next_entries():  # two more steps, then "crash" after the checkpoint
+        first._handle(entry, lambda record: None)
+    checkpoint.save(first.ckpt_root, first.drafter, first.optimizer, first.scheduler, first.state, first.generator)
+    del first  # never acknowledged: those two entries stay pending for this consumer
+    second = Trainer(Run.open(settings), "cpu", progress=False)
+    result = second.run_until_done()
+    assert len(trained_before) == 3 and result.duplicates_skipped == {0: 2}
+    trained = final_state(settings).consumed[0]
+    assert len(trained) == len(set(trained)) == report.admitted
+    assert_backlog_drained(run)
+
+
+def test_retention_keep_reads_later_epochs_from_the_store(tmp_path, redis_url, tiny_qwen35):
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"store.retention": "keep", "train.epochs": 2})
+    run, report = produce_and_extract(settings)  # retention keep: the producer admits one epoch only
+    result = Trainer(run, "cpu", progress=False).run_until_done()
+    assert result.consumed == {0: report.admitted, 1: report.admitted} and not result.stopped
+    state = final_state(settings)
+    assert sorted(state.consumed[0]) == sorted(state.consumed[1]) and state.consumed[0] != state.consumed[1]
+    assert len(list(Path(run.store.path("blobs", "e0")).glob("*.dfq"))) == report.admitted  # kept
+    assert_backlog_drained(run)
+
+
+def test_retention_delete_re_extracts_each_epoch(tmp_path, redis_url, tiny_qwen35):
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.epochs": 2})
+    run, report = produce_and_extract(settings, conversations=24, epochs=2)
+    result = Trainer(run, "cpu", progress=False).run_until_done()
+    per_epoch = report.admitted // 2
+    assert result.consumed == {0: per_epoch, 1: per_epoch}
+    assert [c.split("-e")[1][0] for c in final_state(settings).consumed[1]] == ["1"] * per_epoch
+    assert_backlog_drained(run)
+
+
+def test_slow_trainer_keeps_the_store_within_its_byte_budget(tmp_path, redis_url, tiny_qwen35):
+    """Producer, two workers and a deliberately slow trainer run together; the store never exceeds its budget."""
+    probe = make_settings(tmp_path / "probe", redis_url, tiny_qwen35, run="probe")
+    probe_run, _ = produce_and_extract(probe, conversations=8)
+    blob = max(int(v) for v in probe_run.conn.hvals(probe_run.keys.blob_bytes))
+    # a chunk's reservation is its uncompressed size: about 1.2x a blob here; the budget fits about 3 chunks
+    budget = int(blob * 4)
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"backpressure.max_store_bytes": budget,
+                                                                  "backpressure.max_backlog": 100})
+    write_sample_data(settings.data.paths[0], n=64)
+    conn = redis.Redis.from_url(redis_url)
+    run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+    seen = {"used": 0, "disk": 0}
+    stop = threading.Event()
+
+    def watch():
+        blobs = Path(run.store.path("blobs", "e0"))
+        while not stop.is_set():
+            seen["used"] = max(seen["used"], used_bytes(conn, run.keys))
+            disk = sum(p.stat().st_size for p in blobs.glob("*.dfq")) if blobs.exists() else 0
+            seen["disk"] = max(seen["disk"], disk)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    workers = [subprocess.Popen([sys.executable, "-m", "ops.cli", "worker", "--device", "cpu", "--index", str(i),
+                                 *cli_args(settings)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+               for i in range(2)]
+    try:
+        producer = threading.Thread(target=produce, args=(run,), kwargs={"epochs": 1, "progress": False})
+        producer.start()
+        trainer = Trainer(Run.open(settings), "cpu", progress=False)
+        original = trainer._train_chunk
+
+        def slow(entry):
+            time.sleep(0.5)  # a trainer slower than the workers: the budget must hold them back
+            return original(entry)
+
+        trainer._train_chunk = slow
+        trainer.cfg.checkpoint_every_steps = 2
+        result = trainer.run_until_done()
+        producer.join(timeout=120)
+    finally:
+        stop.set()
+        watcher.join()
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.wait(timeout=60)
+    assert not result.stopped and result.consumed[0] == int(conn.get(run.keys.epoch_total(0)))
+    assert 0 < seen["disk"] <= budget and 0 < seen["used"] <= budget, (seen, budget)

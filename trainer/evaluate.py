@@ -1,0 +1,234 @@
+"""Drafter evaluation: real greedy speculative decoding against the target (tau, checked lossless against plain
+greedy decoding), and offline per-slot accuracy / EAL over held-out blobs.
+
+Target KV cache: hybrid Gated-DeltaNet targets (Qwen3.5/3.6, Qwen3-Next) keep a recurrent state per linear-attention
+layer that cannot be rolled back after a rejected draft (Transformers reports `cache.is_croppable == False`, and its
+own assisted decoding refuses such caches). For those, the cache is copied before each verification and, when a draft
+is rejected, the copy is advanced over the accepted tokens only (one extra target forward of accepted + 1 tokens).
+Croppable caches (plain attention) are cropped instead. tau counts verification passes only, never that replay.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dflashq.blob import Blob
+from dflashq.capture import HiddenStateCapture
+from dflashq.exceptions import ConfigError, InputError
+from dflashq.layer_ids import CONVENTION
+from dflashq.target import load_target
+from trainer.anchors import gather_blocks, sample_anchors
+from trainer.drafter import DFlashDrafter
+from trainer.export import load_exported
+from trainer.loss import dflash_loss, expected_acceptance_length
+from trainer.step import collate
+from trainer.target_head import TargetHead
+
+
+def target_head(target_model: torch.nn.Module) -> TargetHead:
+    """The loaded target's own embedding and LM head, shared (not copied) with the drafter."""
+    return TargetHead(target_model.get_input_embeddings().weight.detach(),
+                      target_model.get_output_embeddings().weight.detach())
+
+
+def accept_length(proposals: list[int], target_greedy: list[int]) -> int:
+    """How many leading proposals equal the target's greedy token at the same position (target_greedy[i] is the
+    target's choice after the last token and proposals[:i])."""
+    n = 0
+    while n < len(proposals) and n < len(target_greedy) and proposals[n] == target_greedy[n]:
+        n += 1
+    return n
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """Cut after the first EOS and at max_new_tokens (a verification pass may commit past either)."""
+    tokens = tokens[:max_new_tokens]
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _done(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
+    return len(tokens) >= max_new_tokens or any(t in eos_ids for t in tokens)
+
+
+@dataclasses.dataclass
+class SpeculativeResult:
+    tokens: list[int]  # generated ids (EOS included when reached)
+    committed: list[int]  # tokens committed by each target verification pass: accepted drafts + 1 bonus
+
+    @property
+    def tau(self) -> float:
+        return sum(self.committed) / len(self.committed) if self.committed else 0.0
+
+
+@torch.inference_mode()
+def speculative_generate(target_model: torch.nn.Module, drafter: DFlashDrafter, head: TargetHead,
+                         prompt_ids: list[int] | Tensor, max_new_tokens: int, eos_ids: set[int] | list[int]
+                         ) -> SpeculativeResult:
+    """Greedy speculative decoding of one prompt: the drafter proposes B-1 tokens per pass, the target verifies them
+    in one forward and keeps the longest prefix equal to its own greedy choices plus one bonus token."""
+    eos_ids = set(eos_ids)
+    device = next(target_model.parameters()).device
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)  # [1, P]
+    tapped = HiddenStateCapture(target_model, drafter.config.target_layer_ids, stop_after_deepest=False)
+    try:
+        out = target_model(input_ids=prompt, use_cache=True)
+        cache = out.cache
+        context = tapped.take().flatten(2)  # [1, P, K*H] states of every position the target has processed
+        tokens = [int(out.logits[0, -1].argmax())]
+        committed: list[int] = []
+        while not _done(tokens, max_new_tokens, eos_ids):
+            last = torch.tensor([tokens[-1]], device=device)  # [1]
+            drafts = drafter.draft(context, last, context.shape[1], head, attention="sdpa")[0].argmax(-1)  # [B-1]
+            block = torch.cat([last, drafts])[None]  # [1, B]
+            snapshot = None if cache.is_croppable else copy.deepcopy(cache)
+            out = target_model(input_ids=block, cache=cache, use_cache=True)
+            greedy = out.logits[0].argmax(-1).tolist()  # [B] target's next token after each block position
+            n = accept_length(drafts.tolist(), greedy)
+            context = torch.cat([context, tapped.take().flatten(2)[:, : n + 1]], dim=1)  # [1, C + n + 1, K*H]
+            rejected = block.shape[1] - (n + 1)
+            if rejected and snapshot is None:
+                cache.crop(-rejected)
+            elif rejected:
+                cache = snapshot
+                target_model(input_ids=block[:, : n + 1], cache=cache, use_cache=True, logits_to_keep=1)
+                tapped.take()  # the replay's states equal the verification's, already kept
+            tokens += drafts[:n].tolist() + [greedy[n]]
+            committed.append(n + 1)
+    finally:
+        tapped.close()
+    return SpeculativeResult(_finish(tokens, max_new_tokens, eos_ids), committed)
+
+
+@torch.inference_mode()
+def greedy_generate(target_model: torch.nn.Module, prompt_ids: list[int] | Tensor, max_new_tokens: int,
+                    eos_ids: set[int] | list[int]) -> list[int]:
+    """Plain greedy decoding with the target's cache, one token per forward: the reference speculative decoding
+    must reproduce token for token."""
+    eos_ids = set(eos_ids)
+    device = next(target_model.parameters()).device
+    out = target_model(input_ids=torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1),
+                       use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while not _done(tokens, max_new_tokens, eos_ids):
+        out = target_model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=out.cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return _finish(tokens, max_new_tokens, eos_ids)
+
+
+def read_prompts(path: str | Path) -> list[str | list[dict]]:
+    """A JSONL prompts file: one object per line with `prompt` (a user message) or `messages` (a chat)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"prompts file {path} does not exist; pass a JSONL file with `prompt` or `messages` lines.")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            prompts.append(record["messages"] if "messages" in record else record["prompt"])
+        except (ValueError, KeyError, TypeError):
+            raise InputError(f"{path} line {number} is not a JSON object with `prompt` or `messages`.") from None
+    if not prompts:
+        raise InputError(f"prompts file {path} holds no prompt; add JSONL lines with `prompt` or `messages`.")
+    return prompts
+
+
+def _eos_ids(target_model, tokenizer) -> set[int]:
+    configured = target_model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured])
+    ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids if i is not None}
+
+
+def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[str | list[dict]],
+                     max_new_tokens: int, device: str | torch.device = "cpu") -> dict:
+    """Speculative decoding of each prompt (chat template applied, greedy) with an exported drafter: tau per prompt,
+    mean tau, and whether the output equals plain greedy decoding (lossless), with the first differing index."""
+    from transformers import AutoTokenizer
+
+    target_model = load_target(target_path, device)
+    drafter = load_exported(drafter_dir, device)
+    text_config = target_model.config.get_text_config()
+    if (drafter.config.hidden_size, drafter.config.vocab_size) != (text_config.hidden_size, text_config.vocab_size):
+        raise ConfigError(
+            f"drafter {drafter_dir} (hidden {drafter.config.hidden_size}, vocab {drafter.config.vocab_size}) was not "
+            f"trained for target {target_path} (hidden {text_config.hidden_size}, vocab {text_config.vocab_size})."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    head = target_head(target_model)
+    eos_ids = _eos_ids(target_model, tokenizer)
+    results = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        spec = speculative_generate(target_model, drafter, head, prompt_ids, max_new_tokens, eos_ids)
+        reference = greedy_generate(target_model, prompt_ids, max_new_tokens, eos_ids)
+        mismatch = next((i for i, (a, b) in enumerate(zip(spec.tokens, reference)) if a != b),
+                        None if len(spec.tokens) == len(reference) else min(len(spec.tokens), len(reference)))
+        results.append({
+            "tau": spec.tau,
+            "passes": len(spec.committed),
+            "new_tokens": len(spec.tokens),
+            "lossless": mismatch is None,
+            "first_mismatch": mismatch,
+        })
+    return {
+        "target": str(target_path),
+        "drafter": str(drafter_dir),
+        "max_new_tokens": max_new_tokens,
+        "mean_tau": sum(r["tau"] for r in results) / len(results) if results else 0.0,
+        "lossless": all(r["lossless"] for r in results),
+        "prompts": results,
+    }
+
+
+@torch.no_grad()
+def evaluate_blobs(drafter: DFlashDrafter, head: TargetHead, blobs: list[Blob], num_anchors: int,
+                   seed: int = 0) -> dict:
+    """Offline metrics over held-out blobs, one sample at a time with anchors drawn as in training (seeded):
+    mean loss, per-slot accuracy acc_k (slots 1..B-1) and EAL from it, pooled over every valid slot."""
+    cfg = drafter.config
+    device = drafter.fc.weight.device
+    generator = torch.Generator(device).manual_seed(seed)
+    correct = torch.zeros(cfg.block_size - 1, dtype=torch.float64)  # [B-1]
+    count = torch.zeros(cfg.block_size - 1, dtype=torch.float64)  # [B-1]
+    loss_sum, samples = 0.0, 0
+    for blob in blobs:
+        if blob.layer_ids != list(cfg.target_layer_ids):
+            raise ConfigError(
+                f"blob {blob.chunk_id} holds layers {blob.layer_ids} but the drafter taps {cfg.target_layer_ids} "
+                f"({CONVENTION}); evaluate with blobs extracted for this drafter."
+            )
+        for sample in blob.samples():
+            batch = collate([sample], device)
+            anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator)  # [1, N] x2
+            if not valid.any():
+                continue
+            block_ids, targets, slot_valid = gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid,
+                                                           cfg.block_size, cfg.mask_token_id)  # [1, N, B] x3
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                hidden = drafter(batch.context, block_ids, anchors, head)  # [1, N, B, H]
+            out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, targets, slot_valid)
+            correct += out.correct.double().cpu()
+            count += out.count.double().cpu()
+            loss_sum += float(out.loss)
+            samples += 1
+    acc = correct / count.clamp_min(1)  # [B-1]
+    return {
+        "samples": samples,
+        "loss": loss_sum / samples if samples else float("nan"),
+        "acc": acc.tolist(),
+        "eal": float(expected_acceptance_length(acc)),
+        "slots": count.long().tolist(),
+    }
