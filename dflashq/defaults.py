@@ -39,6 +39,10 @@ COMPRESS_LEVEL = 1  # measured: on bf16 activations level 1 compresses as well a
 WRITER_THREADS = 4
 MAX_SPLITS = 4
 
+# dashboard
+DASHBOARD_HOST = "127.0.0.1"
+DASHBOARD_PORT = 9181
+
 # [train]
 NUM_LAYERS = 5
 BLOCK_SIZE = 16

@@ -97,3 +97,7 @@ class Keys:
 
     def worker_queue(self, worker_name: str) -> str:
         return f"dflashq-{self.run}-{worker_name}"
+
+    def is_run_queue(self, name: str) -> bool:
+        """The shared queue or a per-worker queue of this run."""
+        return name == self.shared_queue or name.startswith(self.shared_queue + "-")

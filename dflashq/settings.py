@@ -112,6 +112,7 @@ class Settings:
     workers: WorkersSettings = dataclasses.field(default_factory=WorkersSettings)
     train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
     config_path: str = ""  # where the TOML came from; relative paths in it are relative to its folder
+    overrides: list = dataclasses.field(default_factory=list)  # (key, value) given explicitly, for child processes
 
     @property
     def run_dir(self) -> str:
@@ -135,6 +136,7 @@ class Settings:
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data.pop("config_path")
+        data.pop("overrides")
         return data
 
 
@@ -227,6 +229,7 @@ def load(
         settings.set(dotted, value)
     for dotted, value in overrides:
         settings.set(dotted, value)
+        settings.overrides.append((dotted, value))
     _validate(settings)
     return settings
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 import redis
 from rich.console import Console
 from rich.table import Table
 
-from dflashq import settings as settings_module
+from dflashq import defaults, settings as settings_module
 from dflashq.connection import redact
 from dflashq.exceptions import DflashqError
 from dflashq.run import Run
@@ -100,14 +101,27 @@ def produce(settings, inputs, epochs, no_progress):
 @main.command()
 @run_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable interface, see README).")
-def status(settings, as_json):
-    """Chunks admitted / queued / started / finished / failed, backlog, store bytes, workers, trainer."""
+@click.option("--watch", is_flag=True, help="Refresh every 2 seconds until Ctrl-C.")
+def status(settings, as_json, watch):
+    """Chunks admitted / queued / started / finished / failed, backlog, store bytes, workers, trainer, ETA."""
+    import time
+
+    from rich.live import Live
+
     run = open_run(settings, join=False)
-    data = status_module.collect(run)
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps(status_module.collect(run), indent=2))
         return
-    console.print(status_module.render(data, redact(settings.redis.url)))
+    if not watch:
+        console.print(status_module.render(status_module.collect(run), redact(settings.redis.url)))
+        return
+    with Live(console=console, refresh_per_second=1) as live:
+        try:
+            while True:
+                live.update(status_module.render(status_module.collect(run), redact(settings.redis.url)))
+                time.sleep(2)
+        except KeyboardInterrupt:
+            pass
 
 
 # --- workers ------------------------------------------------------------------------------------------------
@@ -121,7 +135,7 @@ def worker(settings, gpu, device, index, burst):
     """Run one long-lived extraction worker: loads the target once, then extracts chunks until stopped."""
     import logging
 
-    from workers.worker import ExtractionWorker, worker_name
+    from workers.worker import EXIT_RESTART, ExtractionWorker, worker_name
 
     if gpu is None and device is None:
         raise click.UsageError("Give --gpu N, or --device cpu [--index N].")
@@ -129,7 +143,10 @@ def worker(settings, gpu, device, index, burst):
     torch_device = "cpu" if device_name == "cpu" else f"cuda:{index}"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run = open_run(settings)
-    ExtractionWorker(run, worker_name(device_name, index), torch_device).work(burst=burst)
+    extraction_worker = ExtractionWorker(run, worker_name(device_name, index), torch_device)
+    extraction_worker.work(burst=burst)
+    if extraction_worker.restart_requested:
+        sys.exit(EXIT_RESTART)
 
 
 @main.command()
@@ -289,6 +306,122 @@ def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_
     else:
         console.print(f"{report['samples']} samples: loss {report['loss']:.4f}, EAL {report['eal']:.3f}, "
                       f"acc per slot {[round(a, 3) for a in report['acc']]}")
+
+
+# --- the whole pipeline -------------------------------------------------------------------------------------
+@main.command()
+@run_options
+@click.option("--workers", "num_workers", type=int, help="CPU workers (default: one worker per visible GPU).")
+@click.option("--trainer-device", default=None, help="Trainer device (default: cuda:0 with GPUs, else cpu).")
+@click.option("--no-live", is_flag=True, help="No live status view (logs, CI).")
+def up(settings, num_workers, trainer_device, no_live):
+    """Run everything supervised: producer, one worker per GPU (or --workers N on CPU), trainer; then export."""
+    import torch
+
+    from ops.supervisor import Supervisor
+    from trainer import checkpoint
+    from trainer.export import export_checkpoint
+
+    run = open_run(settings)
+    gpus = torch.cuda.device_count()
+    workers = [("cpu", i) for i in range(num_workers or 1)] if num_workers or not gpus else [("cuda", i) for i in range(gpus)]
+    supervisor = Supervisor(run, workers, trainer_device or ("cuda:0" if gpus else "cpu"), Path(run.store.path("logs")), console)
+    done = supervisor.run_until_done(live=not no_live)
+    exported = None
+    latest = checkpoint.latest(run.store.path("checkpoints"))
+    if done and latest is not None:
+        target = Path(run.store.path(f"drafter-{latest.name}"))
+        exported = str(target if target.exists() else export_checkpoint(latest, target))
+    summary = supervisor.summary(exported)
+    table = Table(title=f"run '{settings.run}' " + ("done" if done else "stopped"), show_header=False)
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), json.dumps(value) if isinstance(value, dict) else str(value))
+    console.print(table)
+    if not done:
+        sys.exit(130)
+
+
+# --- control ------------------------------------------------------------------------------------------------
+@main.command("restart-worker")
+@run_options
+@click.argument("name")
+@click.option("--now", is_flag=True, help="Kill it now; its chunk goes back to the front of the queue at once.")
+def restart_worker(settings, name, now):
+    """Restart one worker: after its current chunk (warm), or at once with --now. Nothing is lost either way."""
+    from ops import control
+
+    control.restart_worker(open_run(settings, join=False), name, now)
+    click.echo(f"{name}: {'restarting now' if now else 'restarting after its current chunk'}")
+
+
+@main.command()
+@run_options
+@click.argument("name", required=False)
+def pause(settings, name):
+    """Pause one worker (NAME) or the whole run: no new chunks are taken; current ones finish."""
+    from ops import control
+
+    control.pause(open_run(settings, join=False), name)
+    click.echo(f"paused {name or 'all workers'}")
+
+
+@main.command()
+@run_options
+@click.argument("name", required=False)
+def resume(settings, name):
+    """Resume one paused worker (NAME) or the whole run."""
+    from ops import control
+
+    control.resume(open_run(settings, join=False), name)
+    click.echo(f"resumed {name or 'all workers'}")
+
+
+@main.command()
+@run_options
+@click.option("--failed", is_flag=True, required=True, help="Re-queue every failed chunk of the run.")
+def requeue(settings, failed):
+    """Re-queue failed chunks (after fixing what made them fail)."""
+    from ops import control
+
+    requeued = control.requeue_failed(open_run(settings, join=False))
+    click.echo(f"re-queued {len(requeued)} failed chunk(s)")
+
+
+@main.command()
+@run_options
+def drain(settings):
+    """Stop admitting new chunks; finish everything already in flight."""
+    from ops import control
+
+    control.drain(open_run(settings, join=False))
+    click.echo("draining: the producer admits nothing more; workers and trainer finish what is in flight")
+
+
+# --- dashboard and report -----------------------------------------------------------------------------------
+@main.command()
+@run_options
+@click.option("--host", default=defaults.DASHBOARD_HOST, show_default=True, help="Address to bind; 0.0.0.0 exposes the dashboard to the network.")
+@click.option("--port", default=defaults.DASHBOARD_PORT, show_default=True, type=int)
+@click.option("--allow-delete", is_flag=True, help="Allow the actions that change queues: delete, empty, requeue, compact.")
+@click.option("--username", envvar="DFLASHQ_DASHBOARD_USERNAME", help="HTTP basic auth user (with --password).")
+@click.option("--password", envvar="DFLASHQ_DASHBOARD_PASSWORD", help="HTTP basic auth password (better: the environment variable).")
+def dashboard(settings, host, port, allow_delete, username, password):
+    """Serve rq-dashboard for the run's queues and workers (read-only unless --allow-delete)."""
+    from ops.dashboard import serve_dashboard
+
+    open_run(settings, join=False)  # resolves the embedded Redis and checks that it answers
+    click.echo(f"dashboard of run '{settings.run}' ({redact(settings.redis.url)}) on http://{host}:{port}/")
+    serve_dashboard(settings.redis.url, settings.run, host, port, allow_delete, username, password)
+
+
+@main.command()
+@run_options
+@click.option("--out", type=click.Path(dir_okay=False), help="PNG to write (default: ./<run>-report.png).")
+def report(settings, out):
+    """Write a PNG of the run's curves: loss, EAL, per-slot accuracy, training and extraction throughput."""
+    from ops.report import write_report
+
+    click.echo(write_report(open_run(settings, join=False), out or f"{settings.run}-report.png"))
 
 
 # --- redis --------------------------------------------------------------------------------------------------

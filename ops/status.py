@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 
 from rq import Queue, Worker
 from rq.registry import FailedJobRegistry, StartedJobRegistry
@@ -14,11 +15,9 @@ from dflashq.run import Run
 
 def run_queues(run: Run) -> list[Queue]:
     """The run's shared queue and every per-worker queue of it."""
-    prefix = run.keys.shared_queue
-    return [
-        q for q in Queue.all(connection=run.conn, serializer=JSONSerializer)
-        if q.name == prefix or q.name.startswith(prefix + "-")
-    ]
+    # the shared queue always (workers listen on it before the first job exists), plus every known queue of the run
+    names = {run.keys.shared_queue} | {q.name for q in Queue.all(connection=run.conn) if run.keys.is_run_queue(q.name)}
+    return [Queue(name, connection=run.conn, serializer=JSONSerializer) for name in sorted(names)]
 
 
 def _admitted(run: Run) -> int:
@@ -36,6 +35,7 @@ def _workers(run: Run, queues: list[Queue]) -> list[dict]:
             seen.add(worker.name)
             beat = worker.last_heartbeat
             extra = progress.get(worker.name, {})
+            late = beat is not None and (now - beat.replace(tzinfo=datetime.timezone.utc)).total_seconds() > 0.75 * run.settings.workers.worker_ttl
             out.append({
                 "name": worker.name,
                 "state": worker.get_state(),
@@ -44,9 +44,32 @@ def _workers(run: Run, queues: list[Queue]) -> list[dict]:
                 "chunks_failed": worker.failed_job_count,
                 "tokens_per_second": extra.get("tokens_per_second"),
                 "last_heartbeat_seconds_ago": round((now - beat.replace(tzinfo=datetime.timezone.utc)).total_seconds(), 1) if beat else None,
-                "paused": bool(run.conn.sismember(run.keys.paused, worker.name)),
+                "paused": bool(run.conn.sismember(run.keys.paused, worker.name) or run.conn.sismember(run.keys.paused, "*")),
+                "stuck": late,  # heartbeat late: the worker is wedged or its host is overloaded
             })
     return sorted(out, key=lambda w: w["name"])
+
+
+def _failed(registries: list[FailedJobRegistry], limit: int = 20) -> list[dict]:
+    """Failed chunks with the last line of their error, newest first."""
+    out = []
+    for registry in registries:
+        for job_id in registry.get_job_ids()[:limit]:
+            job = registry.job_class.fetch(job_id, connection=registry.connection, serializer=JSONSerializer)
+            result = job.latest_result()
+            reason = (result.exc_string or "").strip().splitlines()[-1] if result and result.exc_string else "unknown"
+            out.append({"chunk": job_id, "reason": reason})
+    return out[:limit]
+
+
+def _eta_seconds(run: Run, trainer: dict) -> float | None:
+    """Time left for the trainer at its pace so far in this process (None until both are known)."""
+    per_epoch = run.conn.get(run.keys.epoch_total(0))
+    steps, started = trainer.get("steps_since_start"), trainer.get("started")
+    if per_epoch is None or not steps or not started:
+        return None
+    remaining = int(per_epoch) * run.settings.train.epochs - trainer.get("consumed_total", 0)
+    return max(0.0, remaining * (time.time() - started) / steps)
 
 
 def _trainer(run: Run) -> dict:
@@ -58,6 +81,7 @@ def collect(run: Run) -> dict:
     settings = run.settings
     queues = run_queues(run)
     failed = [FailedJobRegistry(queue=q) for q in queues]
+    trainer = _trainer(run)
     return {
         "run": settings.run,
         "chunks": {
@@ -72,7 +96,9 @@ def collect(run: Run) -> dict:
         "store": {"bytes": int(run.conn.get(run.keys.store_bytes) or 0), "limit": settings.backpressure.max_store_bytes,
                   "reserved": int(run.conn.get(run.keys.reserved_bytes) or 0)},
         "workers": _workers(run, queues),
-        "trainer": _trainer(run),
+        "trainer": trainer,
+        "failed": _failed(failed),
+        "eta_seconds": _eta_seconds(run, trainer),
     }
 
 
@@ -95,10 +121,20 @@ def render(data: dict, redis_url: str):
         for w in data["workers"]:
             tps = w["tokens_per_second"]
             beat = w["last_heartbeat_seconds_ago"]
-            workers.add_row(w["name"], w["state"] + (" (paused)" if w["paused"] else ""), w["current_chunk"] or "-",
+            state = w["state"] + (" (paused)" if w["paused"] else "") + (" [red]STUCK: heartbeat late[/]" if w["stuck"] else "")
+            workers.add_row(w["name"], state, w["current_chunk"] or "-",
                             str(w["chunks_done"]), str(w["chunks_failed"]), f"{tps:,.0f}" if tps else "-",
                             f"{beat:.0f}s ago" if beat is not None else "-")
         parts.append(workers)
+    if data["eta_seconds"] is not None:
+        head.add_row("ETA", f"{data['eta_seconds'] / 3600:.2f} h at the trainer's pace")
+    if data["failed"]:
+        failed = Table(title="failed chunks (dflashq requeue --failed)")
+        failed.add_column("chunk")
+        failed.add_column("reason")
+        for f in data["failed"]:
+            failed.add_row(f["chunk"], f["reason"])
+        parts.append(failed)
     if data["trainer"]:
         trainer = Table(title="trainer", show_header=False)
         for k, v in data["trainer"].items():

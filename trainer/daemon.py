@@ -83,6 +83,8 @@ class Trainer:
         self.steps_at_checkpoint = self.state.step
         self.last_checkpoint_path = str(found) if found else None
         self.stop_requested = False
+        self.started = time.time()
+        self.steps_at_start = self.state.step
         self.log_path = run.store.path(s.log_file)
         if found is not None:
             self._log({"event": "resumed", "step": self.state.step, "checkpoint": str(found)})
@@ -149,7 +151,8 @@ class Trainer:
                 "consumed_total": sum(len(v) for v in s.consumed.values()),
                 "duplicates_skipped": sum(s.duplicates_skipped.values()), "tokens": s.tokens,
                 "unacknowledged": len(self.unacked), "checkpoint": self.last_checkpoint_path,
-                "updated": time.time(), **extra}
+                "updated": time.time(), "started": self.started, "steps_since_start": s.step - self.steps_at_start,
+                **extra}
         self.run.conn.hset(self.run.keys.trainer, mapping={k: json.dumps(v) for k, v in data.items()})
 
     def _checkpoint_due(self) -> bool:

@@ -8,6 +8,7 @@ Unlike stock SimpleWorker it heartbeats from a thread during jobs and keeps its 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -26,6 +27,9 @@ from workers import recovery
 from workers.extract import Extractor
 
 log = logging.getLogger(__name__)
+
+# Exit status of a worker that stops because it was asked to restart: its supervisor starts it again at once.
+EXIT_RESTART = 75
 
 
 def worker_name(device: str, index: int) -> str:
@@ -51,6 +55,7 @@ class ExtractionWorker(SimpleWorker):
         )
         self.extractor: Extractor | None = None
         self._last_recovery = 0.0
+        self.restart_requested = False
 
     # --- lifecycle --------------------------------------------------------------------------------------
     def take_name(self) -> None:
@@ -85,8 +90,26 @@ class ExtractionWorker(SimpleWorker):
     def heartbeat(self, timeout=None, pipeline=None):
         super().heartbeat(timeout or self.worker_ttl, pipeline=pipeline)
         if pipeline is None:
-            # RQ's idle loop beats once per dequeue timeout without returning to us: look after dead peers here too
+            # RQ's idle loop beats once per dequeue timeout without returning to us: look after dead peers and
+            # control requests here too
             self._recover_peers()
+            if self._check_control():
+                raise StopRequested()
+
+    def _check_control(self) -> bool:
+        """Act on `dflashq restart-worker`: "restart" stops after the current chunk (returns True while idle, so
+        the caller stops at once); "restart-now" gives the chunks back (front of the queue) and exits now."""
+        request = self.connection.getdel(self.run_ctx.keys.worker_control(self.name))
+        if request == b"restart-now":
+            requeued = recovery.release_worker(self.connection, self.run_ctx.keys, self.name, self.queues)
+            log.warning("%s: restart now requested; re-queued %s", self.name, requeued or "nothing")
+            os._exit(EXIT_RESTART)
+        if request == b"restart":
+            log.warning("%s: restart requested; stopping after the current chunk", self.name)
+            self.restart_requested = True
+            self._stop_requested = True
+            return self.get_state() != WorkerStatus.BUSY
+        return False
 
     def get_heartbeat_ttl(self, job) -> int:
         return self.worker_ttl
@@ -100,6 +123,7 @@ class ExtractionWorker(SimpleWorker):
                     job.heartbeat(now(), self.worker_ttl, pipeline=pipe, xx=True)
                     pipe.execute()
                 self._recover_peers()
+                self._check_control()
             except Exception:  # a missed beat is not fatal; the next one may get through
                 log.exception("%s: heartbeat failed", self.name)
 
@@ -145,6 +169,11 @@ class ExtractionWorker(SimpleWorker):
             stop.set()
             beat.join()
 
+    def handle_job_failure(self, job, queue, started_job_registry=None, exc_string=""):
+        super().handle_job_failure(job, queue, started_job_registry, exc_string)
+        # a failed chunk is no longer in flight: it leaves the backlog until `dflashq requeue --failed`
+        self.connection.srem(self.run_ctx.keys.inflight, job.id)
+
     def _must_wait(self) -> str | None:
         conn, keys = self.connection, self.run_ctx.keys
         if conn.sismember(keys.paused, self.name) or conn.sismember(keys.paused, "*"):
@@ -158,7 +187,7 @@ class ExtractionWorker(SimpleWorker):
             self.set_state(WorkerStatus.SUSPENDED)
             self.procline(f"waiting: {reason}")
             self.heartbeat()
-            if self._stop_requested:
+            if self._stop_requested or self._check_control():
                 raise StopRequested()
             time.sleep(self.poll_seconds)
         return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)

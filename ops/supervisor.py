@@ -1,0 +1,170 @@
+"""`dflashq up`: the whole pipeline as supervised child processes (producer, one worker per GPU, trainer).
+
+A child that crashes is started again with exponential backoff; a worker's chunks are re-queued (front) the moment
+it is seen dead, before the restart. A worker that exits asking for a restart (`dflashq restart-worker`) starts
+again at once. Ctrl-C or SIGTERM stops everything gracefully: workers finish their chunk, the trainer checkpoints.
+When the trainer has done its epochs, the workers and producer are stopped, the drafter is exported, and a summary
+is printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from dflashq.run import Run
+from ops import status
+from workers import recovery
+from workers.worker import EXIT_RESTART, worker_name
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+STOP_TIMEOUT_S = 300.0  # a worker finishing a long chunk, the trainer writing a checkpoint
+
+
+@dataclasses.dataclass
+class Child:
+    kind: str  # producer | worker | trainer
+    argv: list[str]
+    name: str
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    start_after: float = 0.0
+    done: bool = False
+
+
+class Supervisor:
+    def __init__(self, run: Run, workers: list[tuple[str, int]], trainer_device: str, log_dir: Path,
+                 console: Console | None = None):
+        settings = run.settings
+        self.run = run
+        self.console = console or Console()
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        common = []
+        if settings.config_path:
+            common += ["--config", settings.config_path]
+        for key, value in settings.overrides:
+            common += ["--set", f"{key}={value}"]
+        common += ["--redis-url", settings.redis.url]  # resolved once here: children never race to start Redis
+        base = [sys.executable, "-m", "ops.cli"]
+        self.children = [Child("producer", base + ["produce", *common, "--no-progress"], "producer")]
+        for device, index in workers:
+            flags = ["--device", "cpu", "--index", str(index)] if device == "cpu" else ["--gpu", str(index)]
+            self.children.append(Child("worker", base + ["worker", *common, *flags], worker_name(device, index)))
+        self.children.append(Child("trainer", base + ["train", *common, "--device", trainer_device, "--no-progress"], "trainer"))
+        self.stopping = False
+        self.started_at = time.monotonic()
+
+    # --- children -------------------------------------------------------------------------------------------
+    def _spawn(self, child: Child) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        log = open(self.log_dir / f"{child.name}.log", "ab")
+        # own session: Ctrl-C in the terminal reaches only the supervisor, which then stops children in order
+        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+
+    def _backoff(self, child: Child) -> float:
+        return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, child.restarts - 1))
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.done:
+                continue
+            if child.proc is None:
+                if now >= child.start_after and not self.stopping:
+                    self._spawn(child)
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            child.proc = None
+            if code == 0 and child.kind in ("producer", "trainer"):
+                child.done = True
+                continue
+            if child.kind == "worker":
+                # its chunks go back to the front of the queue now, not after its heartbeat expires
+                recovery.release_worker(self.run.conn, self.run.keys, child.name, status.run_queues(self.run))
+            if self.stopping:
+                child.done = True
+                continue
+            child.restarts += code != EXIT_RESTART
+            delay = 0.0 if code == EXIT_RESTART else self._backoff(child)
+            child.start_after = now + delay
+            self.console.log(f"{child.name} exited with {code}; starting it again in {delay:.0f} s (see {self.log_dir / (child.name + '.log')})")
+
+    def _trainer_done(self) -> bool:
+        return next(c for c in self.children if c.kind == "trainer").done
+
+    def _drained(self) -> bool:
+        return bool(self.run.conn.exists(self.run.keys.draining)) and self.run.conn.scard(self.run.keys.inflight) == 0
+
+    def stop(self) -> None:
+        """SIGTERM every child (warm stop), wait for them, SIGKILL what is left after STOP_TIMEOUT_S."""
+        self.stopping = True
+        running = [c for c in self.children if c.proc is not None]
+        for child in running:
+            child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in running:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        self._poll()
+
+    # --- main loop ------------------------------------------------------------------------------------------
+    def run_until_done(self, live: bool = True) -> bool:
+        """True when the configured epochs were trained; False when stopped early by a signal."""
+        interrupted = []
+        handlers = {sig: signal.signal(sig, lambda *_: interrupted.append(True)) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            with Live(console=self.console, refresh_per_second=1, transient=True) if live else _NoLive() as view:
+                while not interrupted and not self._trainer_done() and not self._drained():
+                    self._poll()
+                    view.update(status.render(status.collect(self.run), "up"))
+                    time.sleep(0.5)
+        finally:
+            self.stop()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        return self._trainer_done()
+
+    def summary(self, exported: str | None) -> dict:
+        data = status.collect(self.run)
+        tokens = sum(int(f[b"tokens"]) for _, f in self.run.conn.xrange(self.run.keys.results))
+        seconds = time.monotonic() - self.started_at
+        trainer = data["trainer"]
+        return {
+            "run": self.run.settings.run,
+            "chunks": data["chunks"],
+            "tokens_extracted": tokens,
+            "seconds": round(seconds, 1),
+            "tokens_per_second": round(tokens / seconds, 1) if seconds else 0.0,
+            "epochs": f"{trainer.get('epoch', 0)}/{trainer.get('epochs', self.run.settings.train.epochs)}",
+            "final_loss": trainer.get("loss"),
+            "final_eal": trainer.get("eal"),
+            "exported_drafter": exported,
+            "restarts": {c.name: c.restarts for c in self.children if c.restarts},
+        }
+
+
+class _NoLive:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, renderable) -> None:
+        pass

@@ -1,0 +1,155 @@
+"""`dflashq up` and the control commands with real processes and a real Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+from rq import Queue
+from rq.registry import FailedJobRegistry
+
+from dflashq.chunk import Chunk, Sample
+from dflashq.keys import TRAINER_GROUP, Keys
+from dflashq.run import Run
+from producers.admission import Admission
+from test_trainer import FAST, make_settings, produce_and_extract
+from test_worker import HOST
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def write_config(tmp_path, redis_url, model, **extra) -> Path:
+    values = {**FAST, "data.chunk_tokens": 2048, "data.max_length": 1024, "train.num_anchors": 4,
+              "data.paths": [str(tmp_path / "data.jsonl")], **extra}
+    sections: dict[str, dict] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    lines = ['run = "up"', "[redis]", f'url = "{redis_url}"', "[store]", f'path = "{tmp_path / "store"}"', "[model]", f'path = "{model}"']
+    for section, items in sections.items():
+        if section in ("redis", "store", "model"):
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in items.items()]
+    config = tmp_path / "run.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return config
+
+
+def wait_busy(conn, name, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not conn.hget(f"rq:worker:{name}", "current_job"):
+        assert time.monotonic() < deadline and proc.poll() is None, "worker never busy"
+        time.sleep(0.02)
+
+
+def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_path, redis_url, tiny_qwen35):
+    from producers.sample_data import write_sample_data
+
+    # long samples: chunks that take a while, so restarts land mid-chunk
+    write_sample_data(tmp_path / "data.jsonl", n=160)
+    config = write_config(tmp_path, redis_url, tiny_qwen35)
+    conn = redis.Redis.from_url(redis_url)
+    keys = Keys("up")
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "2", "--no-live"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_busy(conn, f"{HOST}.cpu0", up)
+        assert cli("restart-worker", f"{HOST}.cpu0", "--config", str(config)).returncode == 0
+        wait_busy(conn, f"{HOST}.cpu1", up)
+        now = cli("restart-worker", f"{HOST}.cpu1", "--now", "--config", str(config))
+        assert now.returncode == 0, now.stderr
+        out, err = up.communicate(timeout=900)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, (out[-3000:], err[-3000:])
+    admitted = conn.scard(keys.admitted(0))
+    chunks = [f[b"chunk"].decode() for _, f in conn.xrange(keys.results)]
+    assert len(chunks) == len(set(chunks)) == admitted > 4  # every chunk exactly one blob and one stream entry
+    assert int(conn.get(keys.requeued) or 0) >= 1  # the --now restart gave its chunk back
+    assert conn.scard(keys.inflight) == 0 and conn.xpending(keys.results, TRAINER_GROUP)["pending"] == 0
+    assert sum(FailedJobRegistry(queue=q).count for q in [Queue(keys.shared_queue, connection=conn)]) == 0
+    logs = Path(tmp_path / "store" / "up" / "logs")
+    assert "restart requested" in (logs / f"{HOST}.cpu0.log").read_text()
+    assert "restart now requested" in (logs / f"{HOST}.cpu1.log").read_text()
+    exported = next(Path(tmp_path / "store" / "up").glob("drafter-step-*"))
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert "exported drafter" in out and "done" in out
+
+
+def test_pause_resume_drain_and_requeue_failed(tmp_path, redis_url, tiny_qwen35):
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35)
+    args = ["--run", "t", "--redis-url", redis_url, "--store", settings.store.path, "--model", tiny_qwen35,
+            "-s", "train.num_layers=2", "-s", "data.max_length=256"]
+    run, report = produce_and_extract(settings)  # one burst worker extracted everything
+    conn, keys = run.conn, run.keys
+
+    # a failing chunk: in the failed registry, out of the backlog; requeue puts it back in both
+    bad = Chunk("t-e0-bad-000000900-000000900", 0, [Sample(np.array([5, 10**7, 6], np.int32), np.ones(3, np.uint8), 900)])
+    Admission(conn, "t", run.store, 100, 10**12, 60).try_admit(bad)
+    assert cli("pause", *args).returncode == 0
+    worker = subprocess.Popen([sys.executable, "-m", "ops.cli", "worker", "--device", "cpu", *args], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        time.sleep(8)  # paused: the chunk stays queued
+        assert Queue(keys.shared_queue, connection=conn).count == 1
+        assert cli("resume", *args).returncode == 0
+        failed = FailedJobRegistry(queue=Queue(keys.shared_queue, connection=conn))
+        deadline = time.monotonic() + 60
+        while failed.count == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert not conn.sismember(keys.inflight, bad.id)
+        status = json.loads(cli("status", "--json", *args).stdout)
+        assert status["chunks"]["failed"] == 1
+        assert status["failed"] == [{"chunk": bad.id, "reason": status["failed"][0]["reason"]}]
+        assert "IndexError" in status["failed"][0]["reason"]
+        assert cli("requeue", "--failed", *args).stdout.strip() == "re-queued 1 failed chunk(s)"
+        assert conn.sismember(keys.inflight, bad.id) or failed.count == 1  # back in flight (or failed again already)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+
+    # drain: the producer admits nothing more
+    assert cli("drain", *args).returncode == 0
+    from producers.produce import produce
+    from producers.records import data_fingerprint
+
+    again = produce(Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths)), epochs=2, progress=False)
+    assert again.admitted == 0
+
+
+def test_restart_worker_names_an_unknown_worker_in_one_sentence(tmp_path, redis_url):
+    result = cli("restart-worker", "nohost.gpu7", "--run", "t", "--redis-url", redis_url, "--store", str(tmp_path))
+    assert result.returncode == 2 and "No worker named nohost.gpu7" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_status_flags_a_worker_whose_heartbeat_is_late(tmp_path, conn, redis_url):
+    from rq import Worker
+    from rq.serializers import JSONSerializer
+    from rq.utils import utcformat
+
+    from dflashq import settings as S
+    from ops import status
+
+    settings = S.load(None, [("run", "s"), ("redis.url", redis_url), ("store.path", str(tmp_path))], environ={})
+    run = Run.open(settings, join=False)
+    queue = Queue(Keys("s").shared_queue, connection=conn, serializer=JSONSerializer)
+    for name in ("node.gpu0", "node.gpu1"):
+        Worker([queue], name=name, connection=conn).register_birth()
+    import datetime
+
+    stale = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=settings.workers.worker_ttl)
+    conn.hset("rq:worker:node.gpu1", "last_heartbeat", utcformat(stale))
+    flags = {w["name"]: w["stuck"] for w in status.collect(run)["workers"]}
+    assert flags == {"node.gpu0": False, "node.gpu1": True}
