@@ -181,7 +181,7 @@ class Trainer:
 
     def _handle(self, entry: Entry, on_step) -> None:
         epoch_done = self.state.consumed_in(entry.epoch)
-        if any(e.chunk == entry.chunk for e in self.unacked):
+        if any(e.chunk == entry.chunk and e.epoch == entry.epoch for e in self.unacked):
             return  # trained since the last checkpoint and re-delivered (claimed back): acknowledged with it
         if entry.chunk in epoch_done:
             # already in the checkpoint: a re-delivery after a crash between checkpoint and ack
