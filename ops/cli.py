@@ -154,8 +154,6 @@ def worker(settings, gpu, device, index, burst):
 @click.option("--json", "as_json", is_flag=True, help="Metadata and statistics as JSON.")
 def inspect(blob, as_json):
     """Print a blob's metadata and per-layer statistics (layer ids in z-lab convention)."""
-    from pathlib import Path
-
     from dflashq.blob import blob_stats, decode_blob
     from dflashq.exceptions import InputError
 
@@ -245,8 +243,6 @@ def train(settings, device, max_steps, no_progress):
 def export(checkpoint, out):
     """Export a trainer checkpoint (or a run's checkpoints folder: its latest) in the z-lab DFlash format
     that vLLM, SGLang and the `dflash` package load."""
-    from pathlib import Path
-
     from dflashq.exceptions import InputError
     from trainer import checkpoint as checkpoints
     from trainer.export import export_checkpoint
@@ -270,8 +266,6 @@ def export(checkpoint, out):
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_anchors, device, as_json):
     """Measure a drafter: real greedy speculative decoding on prompts (tau, lossless check), or EAL on blobs."""
-    from pathlib import Path
-
     from dflashq.blob import decode_blob
     from dflashq.exceptions import InputError
     from trainer.evaluate import evaluate_blobs, evaluate_prompts, read_prompts

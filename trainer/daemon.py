@@ -81,6 +81,7 @@ class Trainer:
         self.unacked: list[Entry] = []
         self.last_checkpoint = time.monotonic()
         self.steps_at_checkpoint = self.state.step
+        self.epoch_at_checkpoint = self.state.epoch
         self.last_checkpoint_path = str(found) if found else None
         self.stop_requested = False
         self.started = time.time()
@@ -175,6 +176,7 @@ class Trainer:
         self.unacked = []
         self.last_checkpoint = time.monotonic()
         self.steps_at_checkpoint = self.state.step
+        self.epoch_at_checkpoint = self.state.epoch
 
     def _ack(self, entries: list[Entry]) -> None:
         self.consumer.ack([e for e in entries if e.id])
@@ -235,7 +237,8 @@ class Trainer:
                         if self._checkpoint_due():
                             self.checkpoint_and_ack()
                     self._advance_epoch()
-                if self.state.step != self.steps_at_checkpoint:
+                # the last state, with the epoch counter past the finished epoch, is what a restart must see
+                if (self.state.step, self.state.epoch) != (self.steps_at_checkpoint, self.epoch_at_checkpoint):
                     self.checkpoint_and_ack()
                 self._publish(**({"loss": last["loss"], "eal": last["eal"]} if last else {}), done=self.finished)
         finally:
