@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dflashq import settings as settings_module  # noqa: E402
-from dflashq.chunk import Chunk, Sample  # noqa: E402
+from dflashq.chunk import Chunk, Sample, pack, padding_fraction  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
 from dflashq.chunk import micro_batches  # noqa: E402
@@ -69,21 +69,16 @@ def matmul_tflops(device) -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
 
 
-def make_chunks(n, chunk_tokens, min_len, max_len, vocab, seed=0):
+def make_chunks(n, chunk_tokens, min_len, max_len, vocab, sort_window, seed=0):
+    """About n chunks packed the way the producer packs them (dflashq.chunk.pack) from random-length samples."""
     rng = np.random.default_rng(seed)
-    chunks, index = [], 0
-    for c in range(n):
-        samples, total = [], 0
-        while True:
-            length = int(rng.integers(min_len, max_len + 1))
-            if total + length > chunk_tokens:
-                break
-            ids = rng.integers(0, vocab, length).astype(np.int32)
-            samples.append(Sample(ids, np.ones(length, np.uint8), index))
-            total += length
-            index += 1
-        chunks.append(Chunk(f"bench-e0-{c:06d}", 0, samples))
-    return chunks
+    samples, total = [], 0
+    while total < n * chunk_tokens:
+        length = int(rng.integers(min_len, max_len + 1))
+        samples.append(Sample(rng.integers(0, vocab, length).astype(np.int32), np.ones(length, np.uint8), len(samples)))
+        total += length
+    groups = list(pack(samples, chunk_tokens, sort_window))[:n]
+    return [Chunk(f"bench-e0-{c:06d}", 0, group) for c, group in enumerate(groups)]
 
 
 def model_flops(model, chunks, deepest: int | None, config) -> float:
@@ -118,6 +113,7 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=1024)
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--writer-threads", type=int, default=8)
+    parser.add_argument("--sort-window", type=int, default=256, help="the producer's data.sort_window (1: dataset order)")
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--out", default=None, help="folder for the blobs (default: a temporary folder)")
     args = parser.parse_args()
@@ -143,7 +139,8 @@ def main() -> None:
     init_s = time.perf_counter() - started
     params = sum(p.numel() for p in model.parameters())
     ceiling = matmul_tflops(device)
-    chunks = make_chunks(args.chunks, args.chunk_tokens, args.min_len if not args.tiny else 16, args.max_len if not args.tiny else 128, shape["vocab_size"])
+    chunks = make_chunks(args.chunks, args.chunk_tokens, args.min_len if not args.tiny else 16,
+                         args.max_len if not args.tiny else 128, shape["vocab_size"], args.sort_window)
     tokens = sum(c.tokens for c in chunks)
 
     def batches(chunk):
@@ -211,7 +208,8 @@ def main() -> None:
         "params_b": round(params / 1e9, 2),
         "init_seconds": round(init_s, 1), "warmup_seconds": round(warmup_s, 1),
         "chunks": len(chunks), "samples": sum(len(c.samples) for c in chunks), "tokens": tokens,
-        "batch_tokens": args.batch_tokens, "sample_lengths": [args.min_len, args.max_len],
+        "batch_tokens": args.batch_tokens, "sample_lengths": [args.min_len, args.max_len], "sort_window": args.sort_window,
+        "padding_fraction": round(padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE), 3),
         "matmul_tflops": round(ceiling, 1),
         "bare_tokens_per_s": round(tokens / bare_s),
         "capture_tokens_per_s": round(tokens / capture_s),

@@ -69,18 +69,43 @@ class Chunk:
             raise JobRefused(f"malformed chunk payload: {exc}") from None
 
 
-def pack(samples: Iterable[Sample], chunk_tokens: int) -> Iterator[list[Sample]]:
-    """Greedy, order-preserving packing into groups of at most `chunk_tokens` tokens (deterministic)."""
+def pack(samples: Iterable[Sample], chunk_tokens: int, sort_window: int = 1) -> Iterator[list[Sample]]:
+    """Greedy packing into groups of at most `chunk_tokens` tokens (deterministic). With sort_window > 1, each run
+    of `sort_window` consecutive samples is first sorted by length, longest first, so a chunk holds samples of
+    similar length and its right-padded micro-batches waste little compute on padding."""
     current: list[Sample] = []
     size = 0
-    for sample in samples:
-        if current and size + len(sample) > chunk_tokens:
-            yield current
-            current, size = [], 0
-        current.append(sample)
-        size += len(sample)
+    for window in _windows(samples, sort_window):
+        for sample in sorted(window, key=len, reverse=True) if sort_window > 1 else window:
+            if current and size + len(sample) > chunk_tokens:
+                yield current
+                current, size = [], 0
+            current.append(sample)
+            size += len(sample)
     if current:
         yield current
+
+
+def _windows(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
+    window: list[Sample] = []
+    for sample in samples:
+        window.append(sample)
+        if len(window) >= size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def padding_fraction(groups: Iterable[list[Sample]], batch_tokens: int, pad_multiple: int = 1) -> float:
+    """Share of the computed (padded) tokens that are padding, for chunks batched as the workers batch them."""
+    real = padded = 0
+    for group in groups:
+        lengths = [len(s) for s in group]
+        for batch in micro_batches(lengths, batch_tokens):
+            padded += len(batch) * -(-lengths[batch[0]] // pad_multiple) * pad_multiple
+            real += sum(lengths[i] for i in batch)
+    return 1 - real / padded if padded else 0.0
 
 
 def micro_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:

@@ -20,6 +20,7 @@ DATA_PATHS: tuple[str, ...] = ()
 MAX_LENGTH = 4096
 ON_LONG = "truncate"  # or "drop"
 CHUNK_TOKENS = 16384
+SORT_WINDOW = 256  # samples sorted by length within windows of this many before packing (1: dataset order)
 MIN_SUPERVISED_TOKENS = 2
 TOKENIZE_PROCESSES = 2
 TOKENIZE_BATCH = 64

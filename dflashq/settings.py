@@ -42,6 +42,7 @@ class DataSettings:
     max_length: int = defaults.MAX_LENGTH
     on_long: str = defaults.ON_LONG
     chunk_tokens: int = defaults.CHUNK_TOKENS
+    sort_window: int = defaults.SORT_WINDOW
     min_supervised_tokens: int = defaults.MIN_SUPERVISED_TOKENS
     tokenize_processes: int = defaults.TOKENIZE_PROCESSES
     tokenize_batch: int = defaults.TOKENIZE_BATCH
@@ -252,6 +253,7 @@ def _validate(settings: Settings) -> None:
         (settings.data.max_length >= 2, "data.max_length must be at least 2"),
         (settings.data.chunk_tokens >= settings.data.max_length, "data.chunk_tokens must be at least data.max_length"),
         (settings.data.tokenize_processes >= 1, "data.tokenize_processes must be at least 1"),
+        (settings.data.sort_window >= 1, "data.sort_window must be at least 1"),
         (settings.backpressure.max_backlog >= 1, "backpressure.max_backlog must be at least 1"),
         (settings.backpressure.max_store_bytes >= 1, "backpressure.max_store_bytes must be at least 1"),
         (settings.train.block_size >= 2, "train.block_size must be at least 2"),

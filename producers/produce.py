@@ -162,7 +162,7 @@ def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int,
 
     chunks = 0
     try:
-        for group in pack(samples(), settings.data.chunk_tokens):
+        for group in pack(samples(), settings.data.chunk_tokens, settings.data.sort_window):
             if run.conn.exists(run.keys.draining):
                 bar.update(task, status="[yellow]draining: admission stopped")
                 return
