@@ -1,0 +1,21 @@
+"""`make demo` = `dflashq demo`: the whole pipeline through `up` on the CPU, export and speculative decoding."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_demo_runs_the_pipeline_and_prints_tau(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    text = " ".join(proc.stdout.split())  # rich wraps lines at the terminal width
+    assert "mean tau" in text and "(lossless: True)" in text
+    exported = list((out / "runs" / "demo").glob("drafter-step-*"))
+    assert len(exported) == 1 and (exported[0] / "model.safetensors").exists()
+    subprocess.run([sys.executable, "-m", "ops.cli", "redis", "stop", "--config", str(out / "run.toml")], cwd=ROOT, timeout=60)
