@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +14,6 @@ import redis
 from dflashq import settings as S
 from dflashq.keys import Keys
 from dflashq.run import Run
-from ops import status
 from producers.admission import run_queue
 from producers.produce import produce
 from producers.records import data_fingerprint

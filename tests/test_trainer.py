@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from dflashq import settings as S

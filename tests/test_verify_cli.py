@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 from dflashq.blob import decode_blob, encode_blob
 from test_worker import ROOT, admit_sample_data, settings_for, worker_cmd

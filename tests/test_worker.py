@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -13,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 import torch
 from rq import Queue
 from rq.job import Job
@@ -23,7 +21,6 @@ from rq.serializers import JSONSerializer
 from dflashq import settings as S
 from dflashq.blob import decode_blob
 from dflashq.chunk import Chunk, Sample
-from dflashq.keys import Keys
 from dflashq.run import Run
 from producers.produce import produce
 from producers.records import data_fingerprint
