@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from dflashq.exceptions import ConfigError, RedisUnavailable
+from workers.recovery import pid_running
 
 START_TIMEOUT_S = 10.0
 
@@ -58,18 +59,6 @@ def _alive(url: str) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
     except (redis.ConnectionError, redis.TimeoutError):
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a killed child of ours lingers as a zombie until reaped
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
         return False
 
 
@@ -161,7 +150,7 @@ class EmbeddedRedis:
         if pid:
             os.kill(pid, 9)
             deadline = time.monotonic() + START_TIMEOUT_S
-            while _pid_alive(pid) and time.monotonic() < deadline:
+            while pid_running(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 

@@ -178,14 +178,17 @@ def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int,
 
 
 def _admit(admission: Admission, chunk: Chunk, report: ProduceReport, bar, task) -> None:
-    started = time.monotonic()
+    waiting_since = []
 
     def on_wait():
+        if not waiting_since:
+            waiting_since.append(time.monotonic())
         bar.update(task, status=f"[yellow]waiting on backlog {admission.backlog()}/{admission.max_backlog}, "
                                 f"store {admission.store_bytes() / 1e9:.2f}/{admission.max_store_bytes / 1e9:.2f} GB")
 
     outcome = admission.admit(chunk, on_wait)
-    report.waited_seconds += time.monotonic() - started
+    if waiting_since:  # only time spent over a backpressure limit counts as waiting
+        report.waited_seconds += time.monotonic() - waiting_since[0]
     if outcome is Outcome.ADMITTED:
         report.admitted += 1
     elif outcome is Outcome.DUPLICATE:

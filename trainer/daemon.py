@@ -28,6 +28,7 @@ from dflashq.blob import decode_blob
 from dflashq.chunk import micro_batches
 from dflashq.exceptions import BlobError
 from dflashq.run import Run
+from dflashq.target import resolve_dtype
 from trainer import checkpoint
 from trainer.consumer import Entry, ResultsConsumer
 from trainer.drafter import DFlashDrafter, DrafterConfig
@@ -60,8 +61,7 @@ class Trainer:
         with open(Path(model_path) / "config.json") as f:
             target_config = json.load(f)
         text = target_config.get("text_config") or target_config
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.head = TargetHead.from_pretrained(model_path, dtype=dtype, device=self.device)
+        self.head = TargetHead.from_pretrained(model_path, dtype=resolve_dtype("auto", self.device), device=self.device)
         mask_id = resolve_mask_token_id(model_path, s.mask_token_id, text["vocab_size"])
         config = DrafterConfig.default_for_target(target_config, s.num_layers, run.layer_ids, mask_token_id=mask_id,
                                                   block_size=s.block_size, sliding_window=s.sliding_window,

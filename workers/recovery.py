@@ -33,14 +33,19 @@ def _worker_alive(conn: redis.Redis, name: str) -> bool:
     return bool(conn.exists(Worker.redis_worker_namespace_prefix + name))
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie, killed but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        return True  # someone else's live process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def local_worker_dead(conn: redis.Redis, name: str) -> bool:
@@ -49,7 +54,7 @@ def local_worker_dead(conn: redis.Redis, name: str) -> bool:
     hostname, pid = conn.hmget(key, "hostname", "pid")
     if hostname is None or pid is None:
         return False
-    return hostname.decode() == socket.gethostname() and not _pid_running(int(pid))
+    return hostname.decode() == socket.gethostname() and not pid_running(int(pid))
 
 
 def requeue_front(conn: redis.Redis, job: Job) -> None:
