@@ -96,12 +96,15 @@ def model_flops(model, chunks, deepest: int | None, config) -> float:
     return flops
 
 
-def timed(device, fn):
+def timed(device, fn, phase: str, tokens: int):
+    """Seconds `fn` takes; each phase is also printed as it ends, so a run cut short still reports what it got."""
     sync(device)
     start = time.perf_counter()
     fn()
     sync(device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    print(f"{phase}: {seconds:.1f} s, {tokens / seconds:,.0f} tokens/s", file=sys.stderr, flush=True)
+    return seconds
 
 
 def main() -> None:
@@ -142,6 +145,8 @@ def main() -> None:
     chunks = make_chunks(args.chunks, args.chunk_tokens, args.min_len if not args.tiny else 16,
                          args.max_len if not args.tiny else 128, shape["vocab_size"], args.sort_window)
     tokens = sum(c.tokens for c in chunks)
+    padding = padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE)
+    print(f"{len(chunks)} chunks, {tokens:,} tokens, {padding:.1%} padding; matmul {ceiling:.0f} TFLOP/s", file=sys.stderr, flush=True)
 
     def batches(chunk):
         lengths = [len(s) for s in chunk.samples]
@@ -165,10 +170,10 @@ def main() -> None:
             for ids, mask in batches(chunk):
                 capture.capture(ids, mask)
 
-    warmup_s = timed(device, bare)  # one untimed pass: Triton autotuning and kernel caches for every batch shape
-    bare_s = timed(device, bare)
+    warmup_s = timed(device, bare, "warm-up", tokens)  # one untimed pass: Triton autotuning and kernel caches for every batch shape
+    bare_s = timed(device, bare, "bare", tokens)
     capture = HiddenStateCapture(model, layer_ids)  # hooks on: from here on the forward stops after the deepest layer
-    capture_s = timed(device, capture_only)
+    capture_s = timed(device, capture_only, "capture", tokens)
     capture.close()
 
     server = EmbeddedRedis(str(tmp))
@@ -191,7 +196,7 @@ def main() -> None:
                 extractor.run(chunk)
             extractor.flush()
 
-        e2e_s = timed(device, e2e)
+        e2e_s = timed(device, e2e, "e2e", tokens)
         extractor.close()
         stored = sum(int(v) for v in run.conn.hvals(run.keys.blob_bytes))
         announced = run.conn.scard(run.keys.finished)
@@ -209,7 +214,7 @@ def main() -> None:
         "init_seconds": round(init_s, 1), "warmup_seconds": round(warmup_s, 1),
         "chunks": len(chunks), "samples": sum(len(c.samples) for c in chunks), "tokens": tokens,
         "batch_tokens": args.batch_tokens, "sample_lengths": [args.min_len, args.max_len], "sort_window": args.sort_window,
-        "padding_fraction": round(padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE), 3),
+        "padding_fraction": round(padding, 3),
         "matmul_tflops": round(ceiling, 1),
         "bare_tokens_per_s": round(tokens / bare_s),
         "capture_tokens_per_s": round(tokens / capture_s),
