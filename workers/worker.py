@@ -170,9 +170,10 @@ class ExtractionWorker(SimpleWorker):
             beat.join()
 
     def handle_job_failure(self, job, queue, started_job_registry=None, exc_string=""):
-        super().handle_job_failure(job, queue, started_job_registry, exc_string)
-        # a failed chunk is no longer in flight: it leaves the backlog until `dflashq requeue --failed`
+        # A failed chunk is no longer in flight: it leaves the backlog until `dflashq requeue --failed`. Before it
+        # shows in the failed registry, so that whoever sees it there never also counts it in the backlog.
         self.connection.srem(self.run_ctx.keys.inflight, job.id)
+        super().handle_job_failure(job, queue, started_job_registry, exc_string)
 
     def _must_wait(self) -> str | None:
         conn, keys = self.connection, self.run_ctx.keys
