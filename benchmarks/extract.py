@@ -11,7 +11,7 @@ Measured, on the same chunks, in one run:
   capture  the hook capture that stops after the deepest tapped layer (no copy, no write)
   e2e      workers.extract.Extractor.run: capture + byte-shuffle + copy to pinned memory + zstd + fsynced write +
            announce on the results stream of a real Redis (private redis-server), until every blob is announced
-Usage: python benchmarks/extract.py [--tiny] [--chunks 10]
+Usage: python benchmarks/extract.py [--tiny] [--chunks 10] [--profile]
 """
 
 from __future__ import annotations
@@ -107,6 +107,18 @@ def timed(device, fn, phase: str, tokens: int):
     return seconds
 
 
+def print_profile(device, fn, rows=30) -> None:
+    """The operators and kernels that take the most time in `fn`: where a forward's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows), file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (checks the script, measures nothing useful)")
@@ -118,6 +130,7 @@ def main() -> None:
     parser.add_argument("--writer-threads", type=int, default=8)
     parser.add_argument("--sort-window", type=int, default=256, help="the producer's data.sort_window (1: dataset order)")
     parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="also print where one bare pass over the first chunk spends its time")
     parser.add_argument("--out", default=None, help="folder for the blobs (default: a temporary folder)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -160,8 +173,8 @@ def main() -> None:
             yield ids.to(device), mask.to(device)
 
     @torch.inference_mode()
-    def bare():
-        for chunk in chunks:
+    def bare(selected=chunks):
+        for chunk in selected:
             for ids, mask in batches(chunk):
                 model.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
@@ -172,6 +185,8 @@ def main() -> None:
 
     warmup_s = timed(device, bare, "warm-up", tokens)  # one untimed pass: Triton autotuning and kernel caches for every batch shape
     bare_s = timed(device, bare, "bare", tokens)
+    if args.profile:
+        print_profile(device, lambda: bare(chunks[:1]))
     capture = HiddenStateCapture(model, layer_ids)  # hooks on: from here on the forward stops after the deepest layer
     capture_s = timed(device, capture_only, "capture", tokens)
     capture.close()
