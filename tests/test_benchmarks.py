@@ -1,0 +1,41 @@
+"""The benchmark scripts in their CPU modes: they run, and what they report adds up (figures only mean something
+on the GPU; see the README's performance table)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(script, *args):
+    result = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_extract_benchmark_reports_every_phase_and_every_blob():
+    report, log = bench("extract.py", "--tiny", "--chunks", "2", "--profile")
+    assert report["chunks"] == 2 and report["announced_blobs"] == 2
+    for phase in ("warm-up", "bare", "capture", "e2e"):
+        assert f"\n{phase}: " in "\n" + log
+    assert report["bare_tokens_per_s"] > 0 and report["e2e_tokens_per_s"] > 0
+    assert 0 < report["padding_fraction"] < 1
+    # tiny model, float32 on the CPU: 3 tapped layers x hidden 64 x 4 bytes raw per token; shuffle + zstd saves some
+    assert 0 < report["bytes_per_token"] < 3 * 64 * 4 and report["compression_ratio"] > 1
+    assert "Self CPU" in log  # the --profile table
+
+
+def test_train_benchmark_steps():
+    report, _ = bench("train.py", "--tiny", "--steps", "2", "--warmup-steps", "1")
+    assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])
+
+
+def test_produce_benchmark_admits_every_conversation():
+    report, _ = bench("produce.py", "--conversations", "200", "--processes", "1")
+    assert report["conversations"] == 200 and report["chunks"] > 0
+    assert report["tokens_per_second"] > 0 and 500 < report["tokens_per_conversation"] < 2000
