@@ -20,7 +20,7 @@ from dflashq.chunk import Chunk, Sample, chunk_id, pack
 from dflashq.exceptions import InputError
 from dflashq.run import Run
 from producers.admission import Admission, Outcome
-from producers.records import Record, count_records, iter_records
+from producers.records import Record, count_records, iter_records, require_input
 from producers.tokenize import DROPPED_TOO_FEW_SUPERVISED, DROPPED_TOO_LONG, TokenizeResult, load_tokenizer, tokenize_record
 
 
@@ -105,8 +105,7 @@ def produce(run: Run, epochs: int | None = None, progress: bool = True) -> Produ
     if not settings.data.paths:
         raise InputError("No input data: set data.paths (or pass input files to `dflashq produce`).")
     for path in settings.data.paths:
-        if not os.path.exists(path):
-            raise InputError(f"Input {path} does not exist: fix data.paths or the file argument.")
+        require_input(path)
     load_tokenizer(settings.model.path)  # fail fast, with one sentence, before starting the pool
     if epochs is None:
         epochs = settings.train.epochs if settings.store.retention == "delete" else 1

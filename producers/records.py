@@ -29,10 +29,14 @@ class Record:
     error: str | None = None
 
 
+def require_input(path: str) -> None:
+    if not os.path.exists(path):
+        raise InputError(f"Input {path} does not exist: fix data.paths or the file argument.")
+
+
 def iter_records(path: str) -> Iterator[Record]:
     """Every record of one input, in file order."""
-    if not os.path.exists(path):
-        raise InputError(f"Dataset path {path} does not exist.")
+    require_input(path)
     if os.path.isdir(path):
         return _iter_arrow_files(path, _arrow_files(path))
     if path.endswith(".jsonl"):
@@ -49,8 +53,7 @@ def iter_records(path: str) -> Iterator[Record]:
 def count_records(path: str) -> int | None:
     """How many records `iter_records(path)` yields, bad ones included, for progress bars; None where only parsing
     the whole file would tell (JSON, gzipped JSONL)."""
-    if not os.path.exists(path):
-        raise InputError(f"Dataset path {path} does not exist.")
+    require_input(path)
     try:
         if os.path.isdir(path):  # memory-mapped: reading batch lengths touches no row data
             files = _arrow_files(path)
@@ -156,8 +159,7 @@ def data_fingerprint(paths: Iterable[str]) -> str:
     """Hex sha256 over the inputs' names, sizes and modification times, in the order given (cheap: reads no data)."""
     digest = hashlib.sha256()
     for path in paths:
-        if not os.path.exists(path):
-            raise InputError(f"Dataset path {path} does not exist.")
+        require_input(path)
         path = os.path.normpath(path)
         files = [path]
         if os.path.isdir(path):

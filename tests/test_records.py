@@ -106,8 +106,9 @@ def test_datasets_save_to_disk_folder(tmp_path):
 
 
 def test_unusable_inputs(tmp_path):
-    with pytest.raises(InputError, match="missing.jsonl does not exist"):
-        iter_records(str(tmp_path / "missing.jsonl"))
+    for read in (iter_records, count_records, lambda path: data_fingerprint([path])):
+        with pytest.raises(InputError, match="missing.jsonl does not exist: fix data.paths"):
+            read(str(tmp_path / "missing.jsonl"))
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(InputError, match="unknown format"):
         iter_records(str(tmp_path / "data.csv"))
