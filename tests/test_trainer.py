@@ -4,6 +4,7 @@ status, and backpressure end to end."""
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -130,6 +131,9 @@ def test_retention_keep_reads_later_epochs_from_the_store(tmp_path, redis_url, t
     assert result.consumed == {0: report.admitted, 1: report.admitted} and not result.stopped
     state = final_state(settings)
     assert sorted(state.consumed[0]) == sorted(state.consumed[1]) and state.consumed[0] != state.consumed[1]
+    order = sorted(state.consumed[0])
+    random.Random(settings.train.seed + 1).shuffle(order)
+    assert state.consumed[1] == order  # the epoch's seeded shuffle, so a restart resumes the same order
     assert len(list(Path(run.store.path("blobs", "e0")).glob("*.dfq"))) == report.admitted  # kept
     assert_backlog_drained(run)
 

@@ -79,6 +79,7 @@ class Trainer:
             self.state = checkpoint.restore(found, self.drafter, self.optimizer, self.scheduler, self.generator)
         self.consumer = ResultsConsumer(run.conn, run.keys, f"{socket.gethostname()}.trainer", s.claim_idle_seconds)
         self.unacked: list[Entry] = []
+        self._store_order: tuple[int, list[str]] = (-1, [])  # retention `keep`: (epoch, its chunks still to train)
         self.last_checkpoint = time.monotonic()
         self.steps_at_checkpoint = self.state.step
         self.epoch_at_checkpoint = self.state.epoch
@@ -116,10 +117,17 @@ class Trainer:
         0, the epoch-0 blobs from the store in a per-epoch shuffled order."""
         keep = self.run.settings.store.retention == "keep"
         if keep and self.state.epoch > 0:
-            done = set(self.state.consumed_in(self.state.epoch))
-            order = sorted(self.state.consumed_in(0))
-            random.Random(self.cfg.seed + self.state.epoch).shuffle(order)
-            return [Entry("", c, self.run.store.blob_path(c, 0), self.state.epoch, 0) for c in order if c not in done][:1]
+            epoch = self.state.epoch
+            if self._store_order[0] != epoch:  # once per epoch, not per step: its order, less what is trained
+                done = set(self.state.consumed_in(epoch))
+                order = sorted(self.state.consumed_in(0))
+                random.Random(self.cfg.seed + epoch).shuffle(order)
+                self._store_order = (epoch, [c for c in reversed(order) if c not in done])  # reversed: pop() takes the next
+            remaining = self._store_order[1]
+            if not remaining:
+                return []
+            chunk = remaining.pop()
+            return [Entry("", chunk, self.run.store.blob_path(chunk, 0), epoch, 0)]
         return self.consumer.read(count=1, block_ms=1000)
 
     # --- training -------------------------------------------------------------------------------------------
