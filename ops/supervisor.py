@@ -9,6 +9,7 @@ is printed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -129,10 +130,11 @@ class Supervisor:
         interrupted = []
         handlers = {sig: signal.signal(sig, lambda *_: interrupted.append(True)) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            with Live(console=self.console, refresh_per_second=1, transient=True) if live else _NoLive() as view:
+            with Live(console=self.console, refresh_per_second=1, transient=True) if live else contextlib.nullcontext() as view:
                 while not interrupted and not self._trainer_done() and not self._drained():
                     self._poll()
-                    view.update(status.render(status.collect(self.run), "up"))
+                    if view is not None:  # collecting status is a few dozen Redis round trips: only for a live view
+                        view.update(status.render(status.collect(self.run), "up"))
                     time.sleep(0.5)
         finally:
             self.stop()
@@ -157,14 +159,3 @@ class Supervisor:
             "exported_drafter": exported,
             "restarts": {c.name: c.restarts for c in self.children if c.restarts},
         }
-
-
-class _NoLive:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, renderable) -> None:
-        pass
