@@ -32,10 +32,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dflashq import settings as settings_module  # noqa: E402
-from dflashq.chunk import Chunk, Sample, pack, padding_fraction  # noqa: E402
+from dflashq.chunk import Chunk, Sample, micro_batches, pack, padding_fraction  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
-from dflashq.chunk import micro_batches  # noqa: E402
 from dflashq.capture import HiddenStateCapture, decoder_layers  # noqa: E402
 from workers.capture import PAD_MULTIPLE  # noqa: E402
 from workers.extract import Extractor  # noqa: E402

@@ -34,8 +34,8 @@ def _workers(run: Run, queues: list[Queue]) -> list[dict]:
                 continue
             seen.add(worker.name)
             beat = worker.last_heartbeat
+            age = (now - beat.replace(tzinfo=datetime.timezone.utc)).total_seconds() if beat else None
             extra = progress.get(worker.name, {})
-            late = beat is not None and (now - beat.replace(tzinfo=datetime.timezone.utc)).total_seconds() > 0.75 * run.settings.workers.worker_ttl
             out.append({
                 "name": worker.name,
                 "state": worker.get_state(),
@@ -43,9 +43,9 @@ def _workers(run: Run, queues: list[Queue]) -> list[dict]:
                 "chunks_done": worker.successful_job_count,
                 "chunks_failed": worker.failed_job_count,
                 "tokens_per_second": extra.get("tokens_per_second"),
-                "last_heartbeat_seconds_ago": round((now - beat.replace(tzinfo=datetime.timezone.utc)).total_seconds(), 1) if beat else None,
+                "last_heartbeat_seconds_ago": round(age, 1) if age is not None else None,
                 "paused": bool(run.conn.sismember(run.keys.paused, worker.name) or run.conn.sismember(run.keys.paused, "*")),
-                "stuck": late,  # heartbeat late: the worker is wedged or its host is overloaded
+                "stuck": age is not None and age > 0.75 * run.settings.workers.worker_ttl,  # heartbeat late: the worker is wedged or its host is overloaded
             })
     return sorted(out, key=lambda w: w["name"])
 

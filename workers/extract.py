@@ -20,10 +20,9 @@ from rq.serializers import JSONSerializer
 
 from dflashq.blob import encode_blob, shuffle_bytes
 from dflashq.budget import RELEASE_LUA, release, reserve
-from dflashq.chunk import Chunk
+from dflashq.chunk import Chunk, micro_batches
 from dflashq.exceptions import JobRefused
 from dflashq.run import Run
-from dflashq.chunk import micro_batches
 from dflashq.capture import HiddenStateCapture
 from workers.capture import extract_samples
 from workers.recovery import requeue_front, unannounced_key
