@@ -38,6 +38,7 @@ WORKER_TTL = 30  # a worker silent this long is dead; its chunk is re-queued
 JOB_TIMEOUT = 3600
 COMPRESS_LEVEL = 1  # measured: on bf16 activations level 1 compresses as well as 3 and runs about 2x faster
 WRITER_THREADS = 4
+FUSED_KERNELS = True  # flash-linear-attention's kernels for the hybrid Qwen layers on a GPU (workers/fused_kernels.py)
 MAX_SPLITS = 4
 
 # dashboard

@@ -9,6 +9,7 @@ the next chunk's forward runs. A chunk whose job returned but whose blob is not 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -25,6 +26,7 @@ from dflashq.exceptions import JobRefused
 from dflashq.run import Run
 from dflashq.capture import HiddenStateCapture
 from workers.capture import extract_samples
+from workers.fused_kernels import fused_kernels
 from workers.recovery import requeue_front, unannounced_key
 from dflashq.target import load_target
 
@@ -64,6 +66,9 @@ class Extractor:
         self.device = torch.device(device)
         self.model = model if model is not None else load_target(
             settings.model.path, self.device, settings.model.dtype, settings.model.trust_remote_code)
+        self._kernels = contextlib.ExitStack()
+        if settings.workers.fused_kernels:
+            self._kernels.enter_context(fused_kernels(self.model))
         self.capture = HiddenStateCapture(self.model, run.layer_ids)
         self.batch_tokens = settings.workers.batch_tokens
         self.max_splits = settings.workers.max_splits
@@ -200,5 +205,6 @@ class Extractor:
         self.flush()
         self.pool.shutdown(wait=True)
         self.capture.close()
+        self._kernels.close()
         if _active is self:
             _active = None
