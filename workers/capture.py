@@ -16,7 +16,9 @@ def extract_samples(
     """Per sample, in input order: hidden states [T_i, K, H] on the model's device.
 
     Length-sorted, right-padded micro-batches under a padded-token budget; sequences are never packed into one row
-    (linear-attention state would leak across them).
+    (linear-attention state would leak across them). No attention mask: in a causal decoder a real token never sees
+    the padding after it, and without a mask the full-attention layers take the fused causal kernel (SDPA/flash)
+    and the linear-attention layers skip zeroing the padding.
     """
     device = next(model.parameters()).device
     lengths = [len(s) for s in samples]
@@ -25,11 +27,9 @@ def extract_samples(
         # widths rounded up to a multiple of 64: far fewer distinct shapes, so kernels autotune a few times, not per length
         width = -(-lengths[batch[0]] // PAD_MULTIPLE) * PAD_MULTIPLE
         ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, : lengths[i]] = torch.from_numpy(samples[i].input_ids.astype("int64"))
-            mask[row, : lengths[i]] = 1
-        hidden = capture.capture(ids.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+        hidden = capture.capture(ids.to(device, non_blocking=True))
         for row, i in enumerate(batch):
             results[i] = hidden[row, : lengths[i]]
     return results
