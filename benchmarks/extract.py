@@ -7,10 +7,16 @@ A random-initialised Qwen3.6-27B-shaped text model (64 layers, every 4th full at
 
 Measured, on the same chunks, in one run:
   matmul   bf16 8192^3 matrix products: the ceiling MFU is computed against
-  bare     the plain decoder forward of all layers (no hooks, no logits)
-  capture  the hook capture that stops after the deepest tapped layer (no copy, no write)
+  plain    Transformers as shipped: the decoder forward of all layers with an attention mask (no hooks, no logits)
+  bare     the same forward as the worker runs it: fla's fused kernels (workers/fused_kernels.py), no mask
+  capture  the worker's hook capture that stops after the deepest tapped layer (no copy, no write)
   e2e      workers.extract.Extractor.run: capture + byte-shuffle + copy to pinned memory + zstd + fsynced write +
-           announce on the results stream of a real Redis (private redis-server), until every blob is announced
+           announce on the results stream of a real Redis (private redis-server), until every blob is announced;
+           also its steady state, from the first to the last announcement (a long-lived worker drains only once)
+  verify   `dflashq verify`'s comparison of --verify-samples stored samples with a plain, unbatched forward, and
+           their error against the same forward in float32: the benchmark exits 1 if a stored layer is all-zero or
+           non-finite, or is further from float32 than plain Transformers in the model's dtype (by over 10%, and
+           beyond verify's tolerance)
 Usage: python benchmarks/extract.py [--tiny] [--chunks 10] [--profile]
 """
 
@@ -38,6 +44,8 @@ from ops.redis_server import EmbeddedRedis  # noqa: E402
 from dflashq.capture import HiddenStateCapture, decoder_layers  # noqa: E402
 from workers.capture import PAD_MULTIPLE  # noqa: E402
 from workers.extract import Extractor  # noqa: E402
+from workers.fused_kernels import fused_kernels  # noqa: E402
+from workers.verify import TOLERANCE, pick_stored, reference_hidden, verify_samples  # noqa: E402
 from dflashq.target import block_unusable_kernels  # noqa: E402
 
 QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -118,6 +126,35 @@ def print_profile(device, fn, rows=30) -> None:
     print(prof.key_averages().table(sort_by=sort_by, row_limit=rows), file=sys.stderr, flush=True)
 
 
+def float32_reference(model, layer_ids, samples) -> list[torch.Tensor]:
+    """Each sample's tapped states [T, K, H] from `model` converted to float32 in place (layer by layer, so the GPU
+    never holds both copies), with Transformers' torch linear-attention code: fla's kernels multiply in tf32."""
+    for module in [*decoder_layers(model), model]:
+        module.float()
+        if next(model.parameters()).is_cuda:
+            torch.cuda.empty_cache()
+    modeling = sys.modules[type(decoder_layers(model)[0]).__module__]
+    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if rule is not None:
+        modeling.torch_chunk_gated_delta_rule = getattr(rule, "__wrapped__", rule)
+    try:
+        return [reference_hidden(model, layer_ids, s.input_ids).float() for s in samples]
+    finally:
+        if rule is not None:
+            modeling.torch_chunk_gated_delta_rule = rule
+
+
+def mean_relative_error(states, reference) -> list[float]:
+    """Per tapped layer, the worst sample's mean|state - reference| / mean|reference|."""
+    worst = [0.0] * reference[0].shape[1]
+    for got, want in zip(states, reference, strict=True):
+        got, want = got.float().to(want.device), want
+        for k in range(len(worst)):
+            error = (got[:, k] - want[:, k]).abs().mean() / want[:, k].abs().mean().clamp_min(1e-30)
+            worst[k] = max(worst[k], error.item())
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (checks the script, measures nothing useful)")
@@ -129,6 +166,7 @@ def main() -> None:
     parser.add_argument("--writer-threads", type=int, default=8)
     parser.add_argument("--sort-window", type=int, default=256, help="the producer's data.sort_window (1: dataset order)")
     parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--verify-samples", type=int, default=4)
     parser.add_argument("--profile", action="store_true", help="also print where one bare pass over the first chunk spends its time")
     parser.add_argument("--out", default=None, help="folder for the blobs (default: a temporary folder)")
     args = parser.parse_args()
@@ -160,7 +198,7 @@ def main() -> None:
     padding = padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE)
     print(f"{len(chunks)} chunks, {tokens:,} tokens, {padding:.1%} padding; matmul {ceiling:.0f} TFLOP/s", file=sys.stderr, flush=True)
 
-    def batches(chunk):
+    def batches(chunk, masked):
         lengths = [len(s) for s in chunk.samples]
         for batch in micro_batches(lengths, args.batch_tokens):
             width = -(-lengths[batch[0]] // PAD_MULTIPLE) * PAD_MULTIPLE  # the worker's padding
@@ -169,26 +207,32 @@ def main() -> None:
             for row, i in enumerate(batch):
                 ids[row, : lengths[i]] = torch.from_numpy(chunk.samples[i].input_ids.astype(np.int64))
                 mask[row, : lengths[i]] = 1
-            yield ids.to(device), mask.to(device)
+            yield ids.to(device), mask.to(device) if masked else None
 
     @torch.inference_mode()
-    def bare(selected=chunks):
+    def forward(selected=chunks, masked=False):
         for chunk in selected:
-            for ids, mask in batches(chunk):
+            for ids, mask in batches(chunk, masked):
                 model.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
     def capture_only():
         for chunk in chunks:
-            for ids, mask in batches(chunk):
-                capture.capture(ids, mask)
+            for ids, _ in batches(chunk, masked=False):
+                capture.capture(ids)
 
-    warmup_s = timed(device, bare, "warm-up", tokens)  # one untimed pass: Triton autotuning and kernel caches for every batch shape
-    bare_s = timed(device, bare, "bare", tokens)
-    if args.profile:
-        print_profile(device, lambda: bare(chunks[:1]))
-    capture = HiddenStateCapture(model, layer_ids)  # hooks on: from here on the forward stops after the deepest layer
-    capture_s = timed(device, capture_only, "capture", tokens)
-    capture.close()
+    def plain():
+        forward(masked=True)
+
+    warmup_s = timed(device, plain, "warm-up", tokens)  # one untimed pass: Triton autotuning and kernel caches for every batch shape
+    plain_s = timed(device, plain, "plain", tokens)
+    with fused_kernels(model) as replaced:
+        timed(device, forward, "warm-up (fused kernels)", tokens)
+        bare_s = timed(device, forward, "bare", tokens)
+        if args.profile:
+            print_profile(device, lambda: forward(chunks[:1]))
+        capture = HiddenStateCapture(model, layer_ids)  # hooks on: from here on the forward stops after the deepest layer
+        capture_s = timed(device, capture_only, "capture", tokens)
+        capture.close()
 
     server = EmbeddedRedis(str(tmp))
     url = server.ensure()
@@ -204,6 +248,7 @@ def main() -> None:
         extractor.run(chunks[0])  # warm-up: pinned buffers, zstd contexts
         extractor.flush()
         run.conn.delete(run.keys.finished)
+        before = run.conn.xlen(run.keys.results)
 
         def e2e():
             for chunk in chunks:
@@ -211,11 +256,28 @@ def main() -> None:
             extractor.flush()
 
         e2e_s = timed(device, e2e, "e2e", tokens)
-        extractor.close()
+        entries = run.conn.xrange(run.keys.results)[before:]
+        announced_ms = [int(entry_id.split(b"-")[0]) for entry_id, _ in entries]
+        steady_tokens = sum(int(fields[b"tokens"]) for _, fields in entries[1:])
+        steady = steady_tokens / max((announced_ms[-1] - announced_ms[0]) / 1000, 1e-3) if len(entries) > 1 else float("nan")
+        print(f"e2e steady state: {steady:,.0f} tokens/s", file=sys.stderr, flush=True)
+        extractor.close()  # the model is plain Transformers again: the reference `dflashq verify` compares with
         stored = sum(int(v) for v in run.conn.hvals(run.keys.blob_bytes))
         announced = run.conn.scard(run.keys.finished)
+        samples, stored_states, _ = pick_stored(run, args.verify_samples)
+        reports, _ = verify_samples(model, layer_ids, samples, stored_states)
+        plain_states = [reference_hidden(model, layer_ids, s.input_ids) for s in samples]
     finally:
         server.stop()
+    broken = any(r.all_zero_samples or r.non_finite for r in reports)
+    reference = float32_reference(model, layer_ids, samples)
+    stored_error = mean_relative_error(stored_states, reference)
+    plain_error = mean_relative_error(plain_states, reference)
+    accurate = all(s <= max(1.1 * p, TOLERANCE[dtype]) for s, p in zip(stored_error, plain_error))
+    verified = accurate and not broken
+    print(f"verify: {'ok' if verified else 'FAILED'}; max|stored - plain| / max|plain| per layer "
+          f"{[f'{r.max_rel_diff:.2g}' for r in reports]}; mean relative error against float32: stored "
+          f"{[f'{e:.3g}' for e in stored_error]}, plain {[f'{e:.3g}' for e in plain_error]}", file=sys.stderr, flush=True)
     raw_bytes = tokens * len(layer_ids) * config.hidden_size * torch.empty(0, dtype=dtype).element_size()
     bare_flops = model_flops(model, chunks, None, config)
     capture_flops = model_flops(model, chunks, max(layer_ids), config)
@@ -230,10 +292,15 @@ def main() -> None:
         "batch_tokens": args.batch_tokens, "sample_lengths": [args.min_len, args.max_len], "sort_window": args.sort_window,
         "padding_fraction": round(padding, 3),
         "matmul_tflops": round(ceiling, 1),
+        "plain_tokens_per_s": round(tokens / plain_s),
         "bare_tokens_per_s": round(tokens / bare_s),
+        "bare_vs_plain": round(plain_s / bare_s, 3),
         "capture_tokens_per_s": round(tokens / capture_s),
         "e2e_tokens_per_s": round(tokens / e2e_s),
         "e2e_vs_bare": round(bare_s / e2e_s, 3),
+        "e2e_steady_tokens_per_s": round(steady) if steady == steady else None,
+        "e2e_steady_vs_bare": round(steady * bare_s / tokens, 3) if steady == steady else None,
+        "plain_mfu": round(bare_flops / plain_s / 1e12 / ceiling, 3),
         "bare_mfu": round(bare_flops / bare_s / 1e12 / ceiling, 3),
         "e2e_mfu": round(capture_flops / e2e_s / 1e12 / ceiling, 3),
         "announced_blobs": announced,
@@ -241,11 +308,18 @@ def main() -> None:
         "compression_ratio": round(raw_bytes / stored, 3),
         "zstd_level": args.level, "writer_threads": args.writer_threads,
         "fla": "fla" in sys.modules and sys.modules["fla"] is not None,
+        "fused_kernels": dict(replaced),
+        "verify_samples": len(samples), "verify_ok": verified,
+        "verify_max_rel_diff": {r.layer_id: float(f"{r.max_rel_diff:.3g}") for r in reports},
+        "float32_error_stored": {t: float(f"{e:.3g}") for t, e in zip(layer_ids, stored_error)},
+        "float32_error_plain": {t: float(f"{e:.3g}") for t, e in zip(layer_ids, plain_error)},
         "machine": platform.node(),
     }
     print(json.dumps(result))
     if not args.out:
         shutil.rmtree(tmp, ignore_errors=True)
+    if not verified:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

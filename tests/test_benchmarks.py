@@ -21,9 +21,13 @@ def bench(script, *args):
 def test_extract_benchmark_reports_every_phase_and_every_blob():
     report, log = bench("extract.py", "--tiny", "--chunks", "2", "--profile")
     assert report["chunks"] == 2 and report["announced_blobs"] == 2
-    for phase in ("warm-up", "bare", "capture", "e2e"):
+    for phase in ("warm-up", "plain", "bare", "capture", "e2e", "e2e steady state", "verify"):
         assert f"\n{phase}: " in "\n" + log
-    assert report["bare_tokens_per_s"] > 0 and report["e2e_tokens_per_s"] > 0
+    assert report["plain_tokens_per_s"] > 0 and report["bare_tokens_per_s"] > 0 and report["e2e_tokens_per_s"] > 0
+    # the unmasked worker forward's blobs agree with plain, unbatched Transformers (fp32: to 1e-4 of each layer's max)
+    assert report["verify_ok"] and report["verify_samples"] == 4 and max(report["verify_max_rel_diff"].values()) < 1e-4
+    assert max(report["float32_error_stored"].values()) < 1e-4 and report["e2e_steady_tokens_per_s"] > 0
+    assert report["fused_kernels"] == {}  # fla's kernels are GPU only
     assert 0 < report["padding_fraction"] < 1
     # tiny model, float32 on the CPU: 3 tapped layers x hidden 64 x 4 bytes raw per token; shuffle + zstd saves some
     assert 0 < report["bytes_per_token"] < 3 * 64 * 4 and report["compression_ratio"] > 1

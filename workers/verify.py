@@ -86,13 +86,12 @@ def verify_samples(
     return reports, all(r.ok for r in reports)
 
 
-def verify_run(run, num_samples: int, device: str = "cpu", seed: int = 0) -> tuple[list[LayerReport], bool, int]:
-    """Recompute `num_samples` random samples of the run's stored blobs; returns (reports, ok, samples checked)."""
+def pick_stored(run, num_samples: int, seed: int = 0) -> tuple[list[Sample], list[torch.Tensor], torch.dtype]:
+    """`num_samples` random samples of the run's stored blobs: (samples, their stored states [T, K, H], dtype)."""
     import random
 
     from dflashq.blob import decode_blob
     from dflashq.exceptions import InputError
-    from dflashq.target import load_target
 
     paths = [fields[b"path"].decode() for _, fields in run.conn.xrange(run.keys.results)]
     paths = [p for p in paths if run.store.exists(p)]
@@ -109,6 +108,14 @@ def verify_run(run, num_samples: int, device: str = "cpu", seed: int = 0) -> tup
             hidden, ids, mask = per_blob[rng.randrange(len(per_blob))]
             samples.append(Sample(ids.numpy(), mask.numpy()))
             stored.append(hidden)
+    return samples, stored, dtype
+
+
+def verify_run(run, num_samples: int, device: str = "cpu", seed: int = 0) -> tuple[list[LayerReport], bool, int]:
+    """Recompute `num_samples` random samples of the run's stored blobs; returns (reports, ok, samples checked)."""
+    from dflashq.target import load_target
+
+    samples, stored, dtype = pick_stored(run, num_samples, seed)
     # the reference runs in the dtype the blobs were written in, so the tolerance is that dtype's
     model = load_target(run.settings.model.path, device, dtype, run.settings.model.trust_remote_code)
     reports, ok = verify_samples(model, run.layer_ids, samples, stored)
