@@ -38,11 +38,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dflashq import settings as settings_module  # noqa: E402
-from dflashq.chunk import Chunk, Sample, micro_batches, pack, padding_fraction  # noqa: E402
+from dflashq.chunk import Chunk, Sample, pack, padding_fraction  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
 from dflashq.capture import HiddenStateCapture, decoder_layers  # noqa: E402
-from workers.capture import PAD_MULTIPLE  # noqa: E402
+from workers.capture import PAD_MULTIPLE, padded_batches  # noqa: E402
 from workers.extract import Extractor  # noqa: E402
 from workers.fused_kernels import fused_kernels  # noqa: E402
 from workers.verify import TOLERANCE, pick_stored, reference_hidden, verify_samples  # noqa: E402
@@ -129,11 +129,12 @@ def print_profile(device, fn, rows=30) -> None:
 def float32_reference(model, layer_ids, samples) -> list[torch.Tensor]:
     """Each sample's tapped states [T, K, H] from `model` converted to float32 in place (layer by layer, so the GPU
     never holds both copies), with Transformers' torch linear-attention code: fla's kernels multiply in tf32."""
-    for module in [*decoder_layers(model), model]:
+    layers = decoder_layers(model)
+    for module in [*layers, model]:
         module.float()
         if next(model.parameters()).is_cuda:
             torch.cuda.empty_cache()
-    modeling = sys.modules[type(decoder_layers(model)[0]).__module__]
+    modeling = sys.modules[type(layers[0]).__module__]
     rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
     if rule is not None:
         modeling.torch_chunk_gated_delta_rule = getattr(rule, "__wrapped__", rule)
@@ -148,7 +149,7 @@ def mean_relative_error(states, reference) -> list[float]:
     """Per tapped layer, the worst sample's mean|state - reference| / mean|reference|."""
     worst = [0.0] * reference[0].shape[1]
     for got, want in zip(states, reference, strict=True):
-        got, want = got.float().to(want.device), want
+        got = got.float().to(want.device)
         for k in range(len(worst)):
             error = (got[:, k] - want[:, k]).abs().mean() / want[:, k].abs().mean().clamp_min(1e-30)
             worst[k] = max(worst[k], error.item())
@@ -199,14 +200,9 @@ def main() -> None:
     print(f"{len(chunks)} chunks, {tokens:,} tokens, {padding:.1%} padding; matmul {ceiling:.0f} TFLOP/s", file=sys.stderr, flush=True)
 
     def batches(chunk, masked):
-        lengths = [len(s) for s in chunk.samples]
-        for batch in micro_batches(lengths, args.batch_tokens):
-            width = -(-lengths[batch[0]] // PAD_MULTIPLE) * PAD_MULTIPLE  # the worker's padding
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : lengths[i]] = torch.from_numpy(chunk.samples[i].input_ids.astype(np.int64))
-                mask[row, : lengths[i]] = 1
+        for batch, ids in padded_batches(chunk.samples, args.batch_tokens):  # the worker's batches
+            lengths = torch.tensor([len(chunk.samples[i]) for i in batch])
+            mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()  # [B, W], 1 on real tokens
             yield ids.to(device), mask.to(device) if masked else None
 
     @torch.inference_mode()
@@ -259,8 +255,8 @@ def main() -> None:
         entries = run.conn.xrange(run.keys.results)[before:]
         announced_ms = [int(entry_id.split(b"-")[0]) for entry_id, _ in entries]
         steady_tokens = sum(int(fields[b"tokens"]) for _, fields in entries[1:])
-        steady = steady_tokens / max((announced_ms[-1] - announced_ms[0]) / 1000, 1e-3) if len(entries) > 1 else float("nan")
-        print(f"e2e steady state: {steady:,.0f} tokens/s", file=sys.stderr, flush=True)
+        steady = steady_tokens / max((announced_ms[-1] - announced_ms[0]) / 1000, 1e-3) if len(entries) > 1 else None
+        print(f"e2e steady state: {f'{steady:,.0f} tokens/s' if steady else 'needs 2 chunks'}", file=sys.stderr, flush=True)
         extractor.close()  # the model is plain Transformers again: the reference `dflashq verify` compares with
         stored = sum(int(v) for v in run.conn.hvals(run.keys.blob_bytes))
         announced = run.conn.scard(run.keys.finished)
@@ -298,8 +294,8 @@ def main() -> None:
         "capture_tokens_per_s": round(tokens / capture_s),
         "e2e_tokens_per_s": round(tokens / e2e_s),
         "e2e_vs_bare": round(bare_s / e2e_s, 3),
-        "e2e_steady_tokens_per_s": round(steady) if steady == steady else None,
-        "e2e_steady_vs_bare": round(steady * bare_s / tokens, 3) if steady == steady else None,
+        "e2e_steady_tokens_per_s": round(steady) if steady else None,
+        "e2e_steady_vs_bare": round(steady * bare_s / tokens, 3) if steady else None,
         "plain_mfu": round(bare_flops / plain_s / 1e12 / ceiling, 3),
         "bare_mfu": round(bare_flops / bare_s / 1e12 / ceiling, 3),
         "e2e_mfu": round(capture_flops / e2e_s / 1e12 / ceiling, 3),

@@ -12,6 +12,7 @@ float32 the states come out closer than plain Transformers' (`benchmarks/extract
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import sys
 import types
@@ -29,8 +30,6 @@ SWIGLU_MLPS = {"Qwen3_5MLP", "Qwen3_5MoeMLP", "Qwen3NextMLP"}  # down(silu(gate(
 
 def usable(model: torch.nn.Module) -> bool:
     """fla's kernels run on a CUDA model with flash-linear-attention importable (not blocked on a CPU machine)."""
-    import importlib.util
-
     on_gpu = next(model.parameters()).device.type == "cuda"
     return on_gpu and sys.modules.get("fla", True) is not None and importlib.util.find_spec("fla") is not None
 
