@@ -58,7 +58,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     target = dict(TINY if args.tiny else QWEN36_27B)
     seq_len = 256 if args.tiny else args.seq_len
-    cfg = DrafterConfig.default_for_target(target, num_layers=5, mask_token_id=target["vocab_size"] - 1)
+    # the released Qwen3.6-27B drafter's layout (the default is full attention in every layer)
+    cfg = DrafterConfig.default_for_target(target, num_layers=5, mask_token_id=target["vocab_size"] - 1,
+                                           layer_types=["sliding_attention"] * 4 + ["full_attention"])
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).to(device)  # fp32 master weights
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

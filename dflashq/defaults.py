@@ -49,7 +49,7 @@ DASHBOARD_PORT = 9181
 NUM_LAYERS = 5
 BLOCK_SIZE = 16
 NUM_ANCHORS = 512
-MASK_TOKEN_ID = -1  # -1: taken from the tokenizer (its mask token, else a reserved special token)
+MASK_TOKEN_ID = -1  # -1: chosen from the target tokenizer (trainer/mask_token.py says how)
 LEARNING_RATE = 6e-4
 WARMUP_RATIO = 0.04
 WEIGHT_DECAY = 0.0
@@ -63,6 +63,17 @@ LOSS_CHUNK_ROWS = 2048
 MICRO_BATCH_TOKENS = 8192  # padded tokens per forward/backward; a chunk's micro-batches make one optimizer step
 CLAIM_IDLE_SECONDS = 60.0  # stream entries a dead trainer left pending this long are claimed
 TRAIN_LOG = "train_log.jsonl"
-SLIDING_WINDOW = 2048
+SLIDING_WINDOW = 2048  # used only by layers that train.layer_types makes sliding
+# Drafter shape; 0 / empty = the default. Attention: the released drafters' 32 query / 8 kv heads of 128 whatever the
+# hidden size (vLLM and SGLang shard heads: TP 1/2/4/8 must divide them); a target under hidden size 1024 (test and
+# demo models) keeps its own attention shape. Layers: full attention in every one (stock vLLM refuses mixed
+# layouts without its V2 model runner). The MLP width follows the target.
+NUM_ATTENTION_HEADS = 0
+NUM_KEY_VALUE_HEADS = 0
+HEAD_DIM = 0
+INTERMEDIATE_SIZE = 0
+LAYER_TYPES: tuple[str, ...] = ()
+DRAFTER_ATTENTION = (32, 8, 128)  # query heads, kv heads, head_dim
+OWN_ATTENTION_BELOW_HIDDEN = 1024
 ROPE_THETA = 10_000_000.0
 SEED = 0

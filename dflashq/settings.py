@@ -89,6 +89,11 @@ class TrainSettings:
     log_file: str = defaults.TRAIN_LOG
     sliding_window: int = defaults.SLIDING_WINDOW
     rope_theta: float = defaults.ROPE_THETA
+    num_attention_heads: int = defaults.NUM_ATTENTION_HEADS
+    num_key_value_heads: int = defaults.NUM_KEY_VALUE_HEADS
+    head_dim: int = defaults.HEAD_DIM
+    intermediate_size: int = defaults.INTERMEDIATE_SIZE
+    layer_types: list[str] = dataclasses.field(default_factory=lambda: list(defaults.LAYER_TYPES))
     seed: int = defaults.SEED
 
 
@@ -259,6 +264,10 @@ def _validate(settings: Settings) -> None:
         (settings.backpressure.max_store_bytes >= 1, "backpressure.max_store_bytes must be at least 1"),
         (settings.train.block_size >= 2, "train.block_size must be at least 2"),
         (settings.train.num_layers >= 1, "train.num_layers must be at least 1"),
+        (not settings.train.layer_types or len(settings.train.layer_types) == settings.train.num_layers,
+         f"train.layer_types lists {len(settings.train.layer_types)} layers but train.num_layers is {settings.train.num_layers}"),
+        (set(settings.train.layer_types) <= {"full_attention", "sliding_attention"},
+         "train.layer_types entries must be 'full_attention' or 'sliding_attention'"),
         (settings.workers.heartbeat_seconds * 2 <= settings.workers.worker_ttl, "workers.worker_ttl must be at least twice workers.heartbeat_seconds"),
     ]
     for ok, message in checks:

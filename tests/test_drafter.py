@@ -20,7 +20,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def make_drafter(layer_types: list[str]) -> DFlashDrafter:
-    target = {"hidden_size": HIDDEN, "num_hidden_layers": 8, "vocab_size": VOCAB, "intermediate_size": 96}
+    target = {"hidden_size": HIDDEN, "num_hidden_layers": 8, "vocab_size": VOCAB, "intermediate_size": 96,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}
     config = DrafterConfig.default_for_target(
         target, num_layers=len(layer_types), layer_ids=[1, 5], mask_token_id=MASK, block_size=BLOCK,
         sliding_window=WINDOW, layer_types=layer_types,
@@ -175,19 +176,64 @@ def test_module_names_are_the_export_tensor_names():
     assert drafter.fc.weight.shape == (HIDDEN, 2 * HIDDEN)
 
 
-def test_default_config_for_a_27b_target_has_the_released_drafter_size():
-    target = {"text_config": {"hidden_size": 5120, "num_hidden_layers": 64, "vocab_size": 248320,
-                              "intermediate_size": 17408, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25}}
-    config = DrafterConfig.default_for_target(target, mask_token_id=248070)
-    assert config.target_layer_ids == [1, 16, 31, 46, 61]
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
-    assert config.layer_types == [SLIDING] * 4 + [FULL] and config.rope_theta == 1e7
+# config.json fields of real targets (their published configs; only what the drafter defaults read)
+TARGETS = {
+    "Qwen3-8B": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936},
+    "Qwen3.5-4B": {"text_config": {"hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 16,
+                                   "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
+                                   "vocab_size": 248320}},
+    "Qwen3.6-27B": {"text_config": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24,
+                                    "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 17408,
+                                    "vocab_size": 248320, "partial_rotary_factor": 0.25}},
+    "Llama-3-8B": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "intermediate_size": 14336, "vocab_size": 128256},
+    "SmolLM2-135M": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "intermediate_size": 1536, "vocab_size": 49152},
+}
+
+
+@pytest.mark.parametrize("name, heads, layer_ids", [
+    ("Qwen3-8B", (32, 8, 128), [1, 9, 17, 25, 33]),
+    ("Qwen3.5-4B", (32, 8, 128), [1, 8, 15, 22, 29]),
+    ("Qwen3.6-27B", (32, 8, 128), [1, 16, 31, 46, 61]),
+    ("Llama-3-8B", (32, 8, 128), [1, 8, 15, 22, 29]),
+    ("SmolLM2-135M", (9, 3, 64), [1, 8, 14, 20, 27]),  # under hidden 1024: the target's own attention shape
+])
+def test_default_drafter_shape_is_servable(name, heads, layer_ids):
+    target = TARGETS[name]
+    text = target.get("text_config") or target
+    config = DrafterConfig.default_for_target(target, mask_token_id=0)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == heads
+    assert config.target_layer_ids == layer_ids
+    assert config.layer_types == [FULL] * 5  # what stock vLLM and SGLang run
+    assert config.intermediate_size == text["intermediate_size"] and config.rope_theta == 1e7
+    with torch.device("meta"):
+        attention = DFlashDrafter(config).layers[0].self_attn
+    assert attention.q_proj.weight.shape == (heads[0] * heads[2], text["hidden_size"])  # wider than H for Qwen3.5-4B
+    assert attention.k_proj.weight.shape == (heads[1] * heads[2], text["hidden_size"])
+    if text["hidden_size"] >= 1024:
+        for tp in (1, 2, 4, 8):  # vLLM and SGLang shard query and kv heads across tensor-parallel ranks
+            assert config.num_attention_heads % tp == 0 and config.num_key_value_heads % tp == 0
+
+
+def test_released_27b_layout_and_size():
+    config = DrafterConfig.default_for_target(TARGETS["Qwen3.6-27B"], mask_token_id=248070,
+                                              layer_types=[SLIDING] * 4 + [FULL])
+    assert config.layer_types == [SLIDING] * 4 + [FULL] and config.sliding_window == 2048
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(config).parameters())
     assert 1.70e9 < params < 1.76e9
 
 
+def test_every_shape_field_can_be_overridden():
+    config = DrafterConfig.default_for_target(TARGETS["Qwen3-8B"], mask_token_id=0, num_attention_heads=16,
+                                              num_key_value_heads=4, head_dim=64, intermediate_size=4096)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size) == \
+        (16, 4, 64, 4096)
+
+
 def test_mask_token_outside_the_vocabulary_is_refused():
     with pytest.raises(ConfigError, match="mask_token_id"):
-        DrafterConfig.default_for_target({"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 10},
-                                         num_layers=1, mask_token_id=10)
+        DrafterConfig.default_for_target({"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 10,
+                                          "num_attention_heads": 4}, num_layers=1, mask_token_id=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,8 +23,7 @@ NUM_LAYERS = 2
 def drafter(tiny_qwen35) -> DFlashDrafter:
     with open(f"{tiny_qwen35}/config.json") as f:
         target = json.load(f)
-    config = DrafterConfig.default_for_target(target, num_layers=NUM_LAYERS, mask_token_id=MASK_ID, block_size=8,
-                                              sliding_window=16)
+    config = DrafterConfig.default_for_target(target, num_layers=NUM_LAYERS, mask_token_id=MASK_ID, block_size=8)
     torch.manual_seed(0)
     drafter = DFlashDrafter(config)
     with torch.no_grad():  # norms away from 1, so a swapped or dropped norm shows in the outputs
@@ -65,7 +65,7 @@ def test_export_writes_the_zlab_format(drafter, tmp_path):
         "hidden_size": 64,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "num_key_value_heads": 1,
+        "num_key_value_heads": 2,
         "head_dim": 16,
         "intermediate_size": 128,
         "hidden_act": "silu",
@@ -74,9 +74,9 @@ def test_export_writes_the_zlab_format(drafter, tmp_path):
         "max_position_embeddings": 4096,
         "vocab_size": 151936,
         "attention_bias": False,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "sliding_window": 16,
-        "use_sliding_window": True,
+        "layer_types": ["full_attention", "full_attention"],
+        "sliding_window": None,
+        "use_sliding_window": False,
         "block_size": 8,
         "num_target_layers": 8,
         "dflash_config": {"target_layer_ids": [1, 5], "mask_token_id": MASK_ID, "block_size": 8},
@@ -85,11 +85,21 @@ def test_export_writes_the_zlab_format(drafter, tmp_path):
     with safe_open(out / "model.safetensors", framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
         assert "z-lab" in f.metadata()["target_layer_ids_convention"]
-    assert {n: tuple(t.shape) for n, t in tensors.items()} == expected_shapes(64, 2, 4, 1, 16, 128)
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == expected_shapes(64, 2, 4, 2, 16, 128)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert not any("embed" in n or "lm_head" in n for n in tensors)
     source = drafter.state_dict()
     assert all(torch.equal(t, source[n].to(torch.bfloat16)) for n, t in tensors.items())
+
+
+def test_export_follows_a_sliding_layout(drafter, tmp_path):
+    sliding = DFlashDrafter(dataclasses.replace(drafter.config, layer_types=["sliding_attention", "full_attention"],
+                                                sliding_window=16))
+    out = export_drafter(sliding, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["use_sliding_window"] is True and config["sliding_window"] == 16
+    assert load_exported(out).config == sliding.config
 
 
 def test_load_exported_reproduces_the_drafter_in_bf16(drafter, tiny_qwen35, tmp_path):

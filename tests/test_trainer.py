@@ -12,9 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from dflashq import settings as S
+from dflashq.exceptions import ConfigError
 from dflashq.budget import used_bytes
 from dflashq.keys import TRAINER_GROUP
 from dflashq.run import Run
@@ -199,3 +201,19 @@ def test_slow_trainer_keeps_the_store_within_its_byte_budget(tmp_path, redis_url
             w.wait(timeout=60)
     assert not result.stopped and result.consumed[0] == int(conn.get(run.keys.epoch_total(0)))
     assert 0 < seen["disk"] <= budget and 0 < seen["used"] <= budget, (seen, budget)
+
+
+def test_drafter_shape_comes_from_train_settings_and_must_match_the_checkpoint(tmp_path, redis_url, tiny_qwen35):
+    shape = {"train.num_attention_heads": 8, "train.num_key_value_heads": 2, "train.head_dim": 8,
+             "train.intermediate_size": 32, "train.layer_types": "sliding_attention,full_attention",
+             "train.sliding_window": 64}
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **shape)
+    trainer = Trainer(Run.open(settings), "cpu", progress=False)
+    config = trainer.drafter.config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size,
+            config.layer_types, config.sliding_window) == (8, 2, 8, 32, ["sliding_attention", "full_attention"], 64)
+    trainer.checkpoint_and_ack()
+    with pytest.raises(ConfigError, match="head_dim = 8 but the config now gives 16"):
+        Trainer(Run.open(make_settings(tmp_path, redis_url, tiny_qwen35)), "cpu", progress=False)
+    with pytest.raises(ConfigError, match="train.layer_types lists 1 layers"):
+        make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.layer_types": "full_attention"})

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflashq.exceptions import ConfigError
 from trainer.drafter import DFlashDrafter, DrafterConfig
 
 KEEP = 2  # complete checkpoints kept on disk
@@ -113,6 +114,14 @@ def restore(checkpoint: str | Path, drafter: DFlashDrafter, optimizer: torch.opt
     """Load everything `save` wrote back into live objects; returns the train state."""
     checkpoint = Path(checkpoint)
     meta = json.loads((checkpoint / "state.json").read_text())
+    saved, current = meta["drafter_config"], dataclasses.asdict(drafter.config)
+    changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    if changed:
+        field = changed[0]
+        raise ConfigError(
+            f"The run's checkpoint {checkpoint} holds a drafter with {field} = {saved.get(field)!r} but the config "
+            f"now gives {current.get(field)!r}: configure the run as it was started, or choose another run name."
+        )
     device = next(drafter.parameters()).device
     drafter.load_state_dict(load_file(checkpoint / "drafter.safetensors", device=str(device)))
     tensors = load_file(checkpoint / "optimizer.safetensors")

@@ -87,21 +87,26 @@ class DrafterConfig:
         **overrides: Any,
     ) -> DrafterConfig:
         """Drafter defaults for a target (a config.json dict or a Transformers config; a multimodal config's
-        `text_config` is used). Attention is 32 query / 8 kv heads of 128 where the hidden size allows, scaled
-        down for small targets; the MLP width follows the target; RoPE is the drafter's own plain RoPE; the
-        last layer is full attention and the others sliding, as in the released drafters. `overrides` replace
-        any field."""
+        `text_config` is used). Attention is the released drafters' 32 query / 8 kv heads of 128 whatever the
+        hidden size (q_proj may be wider than H), so tensor parallelism 1/2/4/8 divides the heads in vLLM and
+        SGLang; targets under hidden size 1024 (test and demo models) keep their own attention shape. The MLP
+        width follows the target; RoPE is the drafter's own plain RoPE; every layer is full attention (what stock
+        servers run). `overrides` replace any field."""
         target = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
         target = target.get("text_config") or target
         hidden = target["hidden_size"]
         num_target_layers = target["num_hidden_layers"]
-        head_dim = min(128, hidden // 4) // 2 * 2
-        num_heads = max(1, min(32, hidden // head_dim))
+        if hidden >= defaults.OWN_ATTENTION_BELOW_HIDDEN:
+            num_heads, num_kv_heads, head_dim = defaults.DRAFTER_ATTENTION
+        else:
+            num_heads = target["num_attention_heads"]
+            num_kv_heads = target.get("num_key_value_heads") or num_heads
+            head_dim = target.get("head_dim") or hidden // num_heads
         fields = dict(
             hidden_size=hidden,
             num_layers=num_layers,
             num_attention_heads=num_heads,
-            num_key_value_heads=max(1, num_heads // 4),
+            num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             intermediate_size=target.get("intermediate_size") or 3 * hidden,
             rms_norm_eps=target.get("rms_norm_eps", 1e-6),
@@ -111,7 +116,7 @@ class DrafterConfig:
             block_size=block_size,
             target_layer_ids=list(layer_ids) if layer_ids else default_layer_ids(num_target_layers, num_layers),
             mask_token_id=mask_token_id,
-            layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+            layer_types=["full_attention"] * num_layers,
             sliding_window=sliding_window,
             num_target_layers=num_target_layers,
         )
@@ -267,17 +272,18 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, context_states: Tensor, last_token: Tensor, start_pos: int | Tensor, head: TargetHead,
-              attention: Attention = "auto") -> Tensor:
+              attention: Attention = "auto", block_size: int | None = None) -> Tensor:
         """One speculative-decoding step: block [last_token, MASK x (B-1)] at positions start_pos.. attending to
         the committed context positions < start_pos (no KV cache: the context is re-projected on every call).
 
         context_states [b, C, K*H] tapped states of committed positions (C >= start_pos; later ones are unseen);
         last_token [b] the newest token, whose target states are not computed yet; start_pos an int or [b] long
-        (per-row positions of last_token). Returns logits [b, B-1, V] of slots 1..B-1 (argmax = greedy drafts).
+        (per-row positions of last_token); block_size B (default the config's) shorter for the last block of a
+        generation, as the reference drafts it. Returns logits [b, B-1, V] of slots 1..B-1 (argmax = greedy drafts).
         """
         b = last_token.shape[0]
         anchors = torch.as_tensor(start_pos, device=last_token.device).expand(b).reshape(b, 1)  # [b, 1]
-        block_ids = torch.full((b, 1, self.config.block_size), self.config.mask_token_id,
+        block_ids = torch.full((b, 1, block_size or self.config.block_size), self.config.mask_token_id,
                                dtype=torch.long, device=last_token.device)  # [b, 1, B]
         block_ids[:, 0, 0] = last_token
         hidden = self(context_states, block_ids, anchors, head, attention)  # [b, 1, B, H]

@@ -28,6 +28,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 def export_config(config: DrafterConfig) -> dict:
     """The config.json of an exported drafter: a Qwen3 decoder config plus the DFlash fields."""
+    sliding = "sliding_attention" in config.layer_types
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -44,8 +45,9 @@ def export_config(config: DrafterConfig) -> dict:
         "vocab_size": config.vocab_size,
         "attention_bias": False,
         "layer_types": list(config.layer_types),
-        "sliding_window": config.sliding_window,
-        "use_sliding_window": "sliding_attention" in config.layer_types,
+        # no window at all without sliding layers: a server must not read one into full-attention layers
+        "sliding_window": config.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
         "dflash_config": {
