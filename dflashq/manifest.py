@@ -47,7 +47,8 @@ def expected(settings, layer_ids: list[int] | None = None, data_fingerprint: str
 
 
 # Fields a joining command must match; model_path may differ between hosts as long as the fingerprint agrees.
-CHECKED = ("model_fingerprint", "layer_ids", "max_length", "data_fingerprint", "blob_format_version")
+# mask_token_id is added by the trainer (the drafter's MASK token, chosen once per run).
+CHECKED = ("model_fingerprint", "layer_ids", "max_length", "data_fingerprint", "blob_format_version", "mask_token_id")
 
 
 def join(conn: redis.Redis, store: Store, mine: dict) -> dict:
