@@ -56,26 +56,31 @@ def test_untrained_drafter_is_lossless_on_hybrid_target(qwen35, tiny_qwen35):
         assert sum(result.committed) == 11  # the first token comes from the prefill, not from a verification pass
 
 
-def overfit(drafter: DFlashDrafter, head, target, prompt: list[int], continuation: list[int], steps: int):
-    """Train the drafter on the target's own continuation of one prompt until some of its drafts get accepted."""
-    sequence = torch.tensor([prompt + continuation])  # [1, T]
-    tapped = HiddenStateCapture(target, drafter.config.target_layer_ids, stop_after_deepest=False)
-    with torch.no_grad():
-        target(input_ids=sequence)
-    context = tapped.take().flatten(2)  # [1, T, K*H]
-    tapped.close()
-    loss_mask = torch.zeros_like(sequence, dtype=torch.uint8)
-    loss_mask[:, len(prompt) - 1:] = 1
+def overfit(drafter: DFlashDrafter, head, target, examples: list[tuple[list[int], list[int]]], steps: int):
+    """Train the drafter on the target's own continuations of (prompt, continuation) pairs until some of its drafts
+    get accepted."""
+    batches = []
+    for prompt, continuation in examples:
+        sequence = torch.tensor([prompt + continuation])  # [1, T]
+        tapped = HiddenStateCapture(target, drafter.config.target_layer_ids, stop_after_deepest=False)
+        with torch.no_grad():
+            target(input_ids=sequence)
+        context = tapped.take().flatten(2)  # [1, T, K*H]
+        tapped.close()
+        loss_mask = torch.zeros_like(sequence, dtype=torch.uint8)
+        loss_mask[:, len(prompt) - 1:] = 1
+        batches.append((sequence, context, loss_mask))
     with torch.no_grad():
         drafter.norm.weight.fill_(30.0)  # the tiny target's head has small weights: start with useful logit scale
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=2e-2)
     for _ in range(steps):
-        anchors, valid = sample_anchors(loss_mask, 64)
-        blocks, targets, slot_valid = gather_blocks(sequence, loss_mask, anchors, valid, drafter.config.block_size,
-                                                    MASK_ID)
-        dflash_loss(drafter(context, blocks, anchors, head), head.lm_head, targets, slot_valid).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for sequence, context, loss_mask in batches:
+            anchors, valid = sample_anchors(loss_mask, 64)
+            blocks, targets, slot_valid = gather_blocks(sequence, loss_mask, anchors, valid, drafter.config.block_size,
+                                                        drafter.config.mask_token_id)
+            dflash_loss(drafter(context, blocks, anchors, head), head.lm_head, targets, slot_valid).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
     return drafter.eval()
 
 
@@ -87,7 +92,7 @@ def test_partly_accepted_drafts_stay_lossless(arch, tiny_qwen35, tmp_path):
     head = target_head(target)
     prompt = [1, 2, 3, 4, 5]
     reference = greedy_generate(target, prompt, 16, set())
-    drafter = overfit(make_drafter(model_dir, block_size=4), head, target, prompt, reference, steps=40)
+    drafter = overfit(make_drafter(model_dir, block_size=4), head, target, [(prompt, reference)], steps=40)
     result = speculative_generate(target, drafter, head, prompt, 16, set())
     assert result.tokens == reference
     assert max(result.committed) > 1 and min(result.committed) < 4  # some drafts accepted, some rejected

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import json
 from pathlib import Path
 
@@ -46,23 +48,34 @@ def accept_length(proposals: list[int], target_greedy: list[int]) -> int:
     return n
 
 
-def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """Cut after the first EOS and at max_new_tokens (a verification pass may commit past either)."""
-    tokens = tokens[:max_new_tokens]
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1]
-    return tokens
-
-
 def _done(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
     return len(tokens) >= max_new_tokens or any(t in eos_ids for t in tokens)
+
+
+@functools.cache
+def _cache_name(model_class: type) -> str:
+    """The forward keyword (and output field) of the KV cache: Transformers 5.24 renamed `past_key_values` to
+    `cache`, and pyproject.toml allows both sides of that."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _forward(model: torch.nn.Module, input_ids: Tensor, cache=None, **kwargs):
+    """One target forward with its cache under whichever name this Transformers uses; returns (output, cache)."""
+    name = _cache_name(type(model))
+    out = model(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
+    return out, getattr(out, name)
+
+
+def _croppable(cache) -> bool:
+    # `is_croppable` exists from Transformers 5.17; before it, linear-attention layers are the ones crop() refuses
+    croppable = getattr(cache, "is_croppable", None)
+    return not any(cache.is_linear) if croppable is None else croppable
 
 
 @dataclasses.dataclass
 class SpeculativeResult:
     tokens: list[int]  # generated ids (EOS included when reached)
-    committed: list[int]  # tokens committed by each target verification pass: accepted drafts + 1 bonus
+    committed: list[int]  # tokens committed by each verification pass, as dflash_generate's acceptance_lengths
 
     @property
     def tau(self) -> float:
@@ -73,39 +86,50 @@ class SpeculativeResult:
 def speculative_generate(target_model: torch.nn.Module, drafter: DFlashDrafter, head: TargetHead,
                          prompt_ids: list[int] | Tensor, max_new_tokens: int, eos_ids: set[int] | list[int]
                          ) -> SpeculativeResult:
-    """Greedy speculative decoding of one prompt: the drafter proposes B-1 tokens per pass, the target verifies them
-    in one forward and keeps the longest prefix equal to its own greedy choices plus one bonus token."""
+    """Greedy speculative decoding of one prompt: the drafter proposes up to B-1 tokens per pass, the target
+    verifies them in one forward and keeps the longest prefix equal to its own greedy choices plus one bonus token.
+
+    Counted as the reference `dflash_generate` counts: the first token comes from the prefill and is no pass's; a
+    pass commits only up to the first EOS and up to max_new_tokens; the last block shrinks to the tokens left
+    (at most B, the last committed token included), so its drafter pass and its verification are shorter too."""
     eos_ids = set(eos_ids)
     device = next(target_model.parameters()).device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)  # [1, P]
     tapped = HiddenStateCapture(target_model, drafter.config.target_layer_ids, stop_after_deepest=False)
     try:
-        out = target_model(input_ids=prompt, use_cache=True)
-        cache = out.cache
+        out, cache = _forward(target_model, prompt)
         context = tapped.take().flatten(2)  # [1, P, K*H] states of every position the target has processed
         tokens = [int(out.logits[0, -1].argmax())]
         committed: list[int] = []
         while not _done(tokens, max_new_tokens, eos_ids):
+            left = max_new_tokens - len(tokens)
+            block_size = min(drafter.config.block_size, left + 1)
             last = torch.tensor([tokens[-1]], device=device)  # [1]
-            drafts = drafter.draft(context, last, context.shape[1], head, attention="sdpa")[0].argmax(-1)  # [B-1]
-            block = torch.cat([last, drafts])[None]  # [1, B]
-            snapshot = None if cache.is_croppable else copy.deepcopy(cache)
-            out = target_model(input_ids=block, cache=cache, use_cache=True)
-            greedy = out.logits[0].argmax(-1).tolist()  # [B] target's next token after each block position
+            drafts = drafter.draft(context, last, context.shape[1], head, attention="sdpa",
+                                   block_size=block_size)[0].argmax(-1)  # [block_size - 1]
+            block = torch.cat([last, drafts])[None]  # [1, block_size]
+            snapshot = None if _croppable(cache) else copy.deepcopy(cache)
+            out, cache = _forward(target_model, block, cache)
+            greedy = out.logits[0].argmax(-1).tolist()  # [block_size] target's next token after each position
             n = accept_length(drafts.tolist(), greedy)
+            new = (drafts[:n].tolist() + [greedy[n]])[:left]
+            eos_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
+            new = new if eos_at is None else new[: eos_at + 1]
+            tokens += new
+            committed.append(len(new))
+            if _done(tokens, max_new_tokens, eos_ids):
+                break
             context = torch.cat([context, tapped.take().flatten(2)[:, : n + 1]], dim=1)  # [1, C + n + 1, K*H]
             rejected = block.shape[1] - (n + 1)
             if rejected and snapshot is None:
                 cache.crop(-rejected)
             elif rejected:
                 cache = snapshot
-                target_model(input_ids=block[:, : n + 1], cache=cache, use_cache=True, logits_to_keep=1)
+                _forward(target_model, block[:, : n + 1], cache, logits_to_keep=1)
                 tapped.take()  # the replay's states equal the verification's, already kept
-            tokens += drafts[:n].tolist() + [greedy[n]]
-            committed.append(n + 1)
     finally:
         tapped.close()
-    return SpeculativeResult(_finish(tokens, max_new_tokens, eos_ids), committed)
+    return SpeculativeResult(tokens, committed)
 
 
 @torch.inference_mode()
@@ -115,13 +139,12 @@ def greedy_generate(target_model: torch.nn.Module, prompt_ids: list[int] | Tenso
     must reproduce token for token."""
     eos_ids = set(eos_ids)
     device = next(target_model.parameters()).device
-    out = target_model(input_ids=torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1),
-                       use_cache=True)
+    out, cache = _forward(target_model, torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1))
     tokens = [int(out.logits[0, -1].argmax())]
     while not _done(tokens, max_new_tokens, eos_ids):
-        out = target_model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=out.cache, use_cache=True)
+        out, cache = _forward(target_model, torch.tensor([[tokens[-1]]], device=device), cache)
         tokens.append(int(out.logits[0, -1].argmax()))
-    return _finish(tokens, max_new_tokens, eos_ids)
+    return tokens
 
 
 def read_prompts(path: str | Path) -> list[str | list[dict]]:
@@ -157,7 +180,8 @@ def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[st
     from transformers import AutoTokenizer
 
     target_model = load_target(target_path, device)
-    drafter = load_exported(drafter_dir, device)
+    # in the target's dtype, as a server runs it (bf16 on GPU; on the CPU the bf16 export upcasts exactly)
+    drafter = load_exported(drafter_dir, device).to(next(target_model.parameters()).dtype)
     text_config = target_model.config.get_text_config()
     if (drafter.config.hidden_size, drafter.config.vocab_size) != (text_config.hidden_size, text_config.vocab_size):
         raise ConfigError(
@@ -177,6 +201,7 @@ def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[st
         mismatch = next((i for i, (a, b) in enumerate(zip(spec.tokens, reference)) if a != b),
                         None if len(spec.tokens) == len(reference) else min(len(spec.tokens), len(reference)))
         results.append({
+            "text": tokenizer.decode(spec.tokens),
             "tau": spec.tau,
             "passes": len(spec.committed),
             "new_tokens": len(spec.tokens),
