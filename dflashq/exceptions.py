@@ -23,6 +23,10 @@ class InputError(DflashqError):
     """A missing input file, model folder or unreadable dataset."""
 
 
+class ChildFailed(DflashqError):
+    """`dflashq up`: a child process kept exiting with a user error, so the supervisor stopped the run."""
+
+
 class BlobError(DflashqError):
     """A blob that is corrupt, truncated or of an unknown format version."""
 

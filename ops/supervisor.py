@@ -2,7 +2,8 @@
 
 A child that crashes is started again with exponential backoff; a worker's chunks are re-queued (front) the moment
 it is seen dead, before the restart. A worker that exits asking for a restart (`dflashq restart-worker`) starts
-again at once. Ctrl-C or SIGTERM stops everything gracefully: workers finish their chunk, the trainer checkpoints.
+again at once. A child that exits twice in a row with a configuration or input error (exit 2: restarting cannot
+mend it) stops the run, and `up` ends with that child's sentence. Ctrl-C or SIGTERM stops everything gracefully: workers finish their chunk, the trainer checkpoints.
 When the trainer has done its epochs, the workers and producer are stopped, the drafter is exported, and a summary
 is printed.
 """
@@ -21,11 +22,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from dflashq.exceptions import ChildFailed
 from dflashq.run import Run
 from ops import status
 from workers import recovery
 from workers.worker import EXIT_RESTART, worker_name
 
+EXIT_USER_ERROR = 2  # DflashqError.exit_code: the CLI printed one sentence naming what to fix
+USER_ERRORS_TO_STOP = 2  # in a row; one may be a race with a command that fixes it (a manifest write, say)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 STOP_TIMEOUT_S = 300.0  # a worker finishing a long chunk, the trainer writing a checkpoint
@@ -40,6 +44,24 @@ class Child:
     restarts: int = 0
     start_after: float = 0.0
     done: bool = False
+    user_errors: int = 0  # consecutive exits with EXIT_USER_ERROR
+
+
+def child_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The children's environment: the checkout first on PYTHONPATH (`python -m ops.cli` from any directory), then
+    whatever the user had there (an install through `pip --target` lives only on PYTHONPATH)."""
+    paths = [str(Path(__file__).resolve().parent.parent)] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def error_sentence(log: Path) -> str:
+    """What the child said last as a user error (the CLI's `dflashq: ...` line), from its log."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        lines = []
+    said = next((line for line in reversed(lines) if line.startswith("dflashq: ")), None)
+    return f"stopped the run: {said[len('dflashq: '):]}" if said else "exited twice with a configuration or input error"
 
 
 class Supervisor:
@@ -63,12 +85,16 @@ class Supervisor:
             self.children.append(Child("worker", base + ["worker", *common, *flags], worker_name(device, index)))
         self.children.append(Child("trainer", base + ["train", *common, "--device", trainer_device, "--no-progress"], "trainer"))
         self.stopping = False
+        self.failure: str | None = None  # a child's user error that stopped the run
         self.started_at = time.monotonic()
 
     # --- children -------------------------------------------------------------------------------------------
+    def _log_path(self, child: Child) -> Path:
+        return self.log_dir / f"{child.name}.log"
+
     def _spawn(self, child: Child) -> None:
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-        log = open(self.log_dir / f"{child.name}.log", "ab")
+        env = child_environment(os.environ)
+        log = open(self._log_path(child), "ab")
         # own session: Ctrl-C in the terminal reaches only the supervisor, which then stops children in order
         child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
@@ -97,6 +123,11 @@ class Supervisor:
                 recovery.release_worker(self.run.conn, self.run.keys, child.name, status.run_queues(self.run))
             if self.stopping:
                 child.done = True
+                continue
+            child.user_errors = child.user_errors + 1 if code == EXIT_USER_ERROR else 0
+            if child.user_errors >= USER_ERRORS_TO_STOP:
+                child.done = True
+                self.failure = f"{child.name} {error_sentence(self._log_path(child))} (log: {self._log_path(child)})"
                 continue
             child.restarts += code != EXIT_RESTART
             delay = 0.0 if code == EXIT_RESTART else self._backoff(child)
@@ -131,7 +162,7 @@ class Supervisor:
         handlers = {sig: signal.signal(sig, lambda *_: interrupted.append(True)) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             with Live(console=self.console, refresh_per_second=1, transient=True) if live else contextlib.nullcontext() as view:
-                while not interrupted and not self._trainer_done() and not self._drained():
+                while not interrupted and not self.failure and not self._trainer_done() and not self._drained():
                     self._poll()
                     if view is not None:  # collecting status is a few dozen Redis round trips: only for a live view
                         view.update(status.render(status.collect(self.run), "up"))
@@ -140,6 +171,8 @@ class Supervisor:
             self.stop()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+        if self.failure:
+            raise ChildFailed(self.failure)
         return self._trainer_done()
 
     def summary(self, exported: str | None) -> dict:

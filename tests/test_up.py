@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -163,3 +164,25 @@ def test_status_flags_a_worker_whose_heartbeat_is_late(tmp_path, conn, redis_url
     conn.hset("rq:worker:node.gpu1", "last_heartbeat", utcformat(stale))
     flags = {w["name"]: w["stuck"] for w in status.collect(run)["workers"]}
     assert flags == {"node.gpu0": False, "node.gpu1": True}
+
+
+def test_up_stops_on_a_repeated_user_error_with_the_childs_sentence(tmp_path, redis_url, tiny_qwen35):
+    from producers.sample_data import write_sample_data
+
+    write_sample_data(tmp_path / "data.jsonl", n=8)
+    config = write_config(tmp_path, redis_url, tiny_qwen35, **{"train.mask_token_id": 10**9})
+    started = time.monotonic()
+    up = cli("up", "--config", str(config), "--workers", "1", "--no-live", timeout=300)
+    assert up.returncode == 2, (up.stdout[-2000:], up.stderr[-2000:])
+    assert "trainer stopped the run: mask_token_id 1000000000 is not a row" in up.stderr
+    assert "Traceback" not in up.stderr and time.monotonic() - started < 120
+    log = (tmp_path / "store" / "up" / "logs" / "trainer.log").read_text()
+    assert log.count("mask_token_id 1000000000 is not a row") == 2  # tried twice, not restarted for ever
+
+
+def test_children_keep_the_users_pythonpath():
+    from ops.supervisor import child_environment
+
+    env = child_environment({"PYTHONPATH": os.pathsep.join(["/opt/site-a", "/opt/site-b"]), "HOME": "/root"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/opt/site-a", "/opt/site-b"] and env["HOME"] == "/root"
+    assert child_environment({})["PYTHONPATH"] == str(ROOT)

@@ -64,15 +64,15 @@ class Trainer:
         text = target_config.get("text_config") or target_config
         self.head = TargetHead.from_pretrained(model_path, dtype=resolve_dtype("auto", self.device), device=self.device)
         mask = resolve_mask_token(model_path, s.mask_token_id, text["vocab_size"])
-        first_choice = run.manifest.get("mask_token_id") is None
-        run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id})
-        if first_choice:  # said once per run; the manifest and the export keep it
-            print(f"dflashq: MASK token id {mask.id}: {mask.reason} (recorded in the run manifest).", flush=True)
         shape = {name: getattr(s, name) for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                      "intermediate_size", "layer_types") if getattr(s, name)}
         config = DrafterConfig.default_for_target(target_config, s.num_layers, run.layer_ids, mask_token_id=mask.id,
                                                   block_size=s.block_size, sliding_window=s.sliding_window,
                                                   rope_theta=s.rope_theta, **shape)
+        first_choice = run.manifest.get("mask_token_id") is None  # recorded only once the config is known valid
+        run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id})
+        if first_choice:  # said once per run; the manifest and the export keep it
+            print(f"MASK token id {mask.id}: {mask.reason} (recorded in the run manifest).", flush=True)
         torch.manual_seed(s.seed)
         self.drafter = DFlashDrafter(config).to(self.device)  # fp32 master weights
         # horizon: train.total_steps, else (chunks per epoch x epochs) once the producer has counted an epoch
