@@ -63,10 +63,19 @@ def prepare(out: str) -> Path:
 
 def run_demo(out: str, workers: int = 2) -> dict:
     """prepare -> `up` (producer, CPU workers, trainer, supervised) -> export -> speculative decoding with tau."""
-    console = Console()
     config = prepare(out)
     settings = settings_module.load(config)
+    embedded = not settings.redis.url  # REDIS_URL may name the user's own server: that one stays up
     settings.redis.url = redis_server.resolve_url(settings)
+    try:
+        return _run(settings, workers)
+    finally:
+        if embedded:  # a later command of the demo's run starts it again from its AOF
+            redis_server.EmbeddedRedis(settings.run_dir).stop()
+
+
+def _run(settings, workers: int) -> dict:
+    console = Console()
     run = Run.open(settings)
     console.print(f"[bold]dflashq demo[/]: tiny random Qwen3.5-style model, 200 built-in conversations, "
                   f"{workers} CPU workers, Redis at {settings.redis.url}")

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import redis
+
+from ops.redis_server import EmbeddedRedis
+from workers.recovery import pid_running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,4 +25,14 @@ def test_demo_runs_the_pipeline_and_prints_tau(tmp_path):
     assert "mean tau" in text and "(lossless: True)" in text
     exported = list((out / "runs" / "demo").glob("drafter-step-*"))
     assert len(exported) == 1 and (exported[0] / "model.safetensors").exists()
+    # the demo's embedded Redis is stopped at the end; a later command of the run starts it again from its AOF
+    server = EmbeddedRedis(str(out / "runs" / "demo"))
+    assert server.pid() is None or not pid_running(server.pid())
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(server.url(), socket_connect_timeout=1).ping()
+    status = subprocess.run([sys.executable, "-m", "ops.cli", "status", "--json", "--config", str(out / "run.toml")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     subprocess.run([sys.executable, "-m", "ops.cli", "redis", "stop", "--config", str(out / "run.toml")], cwd=ROOT, timeout=60)
+    assert status.returncode == 0, status.stderr[-2000:]
+    chunks = json.loads(status.stdout)["chunks"]
+    assert chunks["admitted"] > 0 and chunks["finished"] == chunks["admitted"]
