@@ -237,3 +237,29 @@ def test_mask_token_outside_the_vocabulary_is_refused():
     with pytest.raises(ConfigError, match="mask_token_id"):
         DrafterConfig.default_for_target({"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 10,
                                           "num_attention_heads": 4}, num_layers=1, mask_token_id=10)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_flex_equals_sdpa_when_the_blocks_do_not_fill_the_last_kernel_tile(device):
+    """N*B = 37*16 = 592 query rows, not a multiple of the compiled kernel's 128-row tile (CUDA: compiled flex)."""
+    target = {"hidden_size": HIDDEN, "num_hidden_layers": 8, "vocab_size": VOCAB, "intermediate_size": 96,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}
+    config = DrafterConfig.default_for_target(target, num_layers=2, layer_ids=[1, 5], mask_token_id=MASK,
+                                              block_size=16, sliding_window=40, layer_types=[SLIDING, FULL])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config).to(device)
+    gen = torch.Generator().manual_seed(3)
+    head = TargetHead(torch.randn(VOCAB, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen)).to(device)
+    seq_len, num_blocks = 300, 37
+    input_ids = torch.randint(0, MASK, (2, seq_len), generator=gen)
+    loss_mask = torch.ones(2, seq_len, dtype=torch.long)
+    loss_mask[1, 200:] = 0
+    anchors, valid = sample_anchors(loss_mask, num_blocks, gen)
+    block_ids, _, _ = gather_blocks(input_ids, loss_mask, anchors, valid, 16, MASK)
+    context = torch.randn(2, seq_len, 2 * HIDDEN, generator=gen)
+    inputs = [t.to(device) for t in (context, block_ids, anchors)]
+    assert anchors.shape == (2, num_blocks) and (num_blocks * 16) % 128
+    with torch.no_grad():
+        flex = drafter(*inputs, head, attention="flex")  # [b, N, B, H]
+        sdpa = drafter(*inputs, head, attention="sdpa")
+    torch.testing.assert_close(flex[valid.to(device)], sdpa[valid.to(device)], atol=2e-5, rtol=1e-4)

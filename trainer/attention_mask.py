@@ -21,8 +21,13 @@ MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 def dflash_mask_mod(anchors: Tensor, block_size: int, context_len: int, window: int | None) -> MaskMod:
     """The rule for anchors [batch, N] (long) over T = context_len context keys; window None = full attention."""
 
+    last_block = anchors.shape[1] - 1
+
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        block = q_idx // block_size
+        # Compiled flex_attention evaluates the rule over whole 128-row tiles: with N*B not a multiple of 128,
+        # q_idx runs past the last slot, and an unclamped read goes past `anchors` (pytorch issue 137801).
+        # Those rows are discarded; the clamp only keeps the read in bounds.
+        block = (q_idx // block_size).clamp(max=last_block)
         anchor = anchors[b, block]
         q_pos = anchor + q_idx % block_size
         is_context = kv_idx < context_len
