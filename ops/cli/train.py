@@ -1,0 +1,104 @@
+"""Commands of the training side: train, export, eval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from dflashq.exceptions import DflashqError
+from ops.cli.options import console, open_run, run_options
+
+# --- trainer ------------------------------------------------------------------------------------------------
+@click.command()
+@run_options
+@click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when a GPU is visible).")
+@click.option("--max-steps", type=int, default=None, help="Stop after this many steps (then checkpoint).")
+@click.option("--no-progress", is_flag=True)
+def train(settings, device, max_steps, no_progress):
+    """Run the trainer daemon: consume blobs, train the drafter, checkpoint, until the epochs are done."""
+    import torch
+
+    from trainer.daemon import Trainer
+
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    report = Trainer(open_run(settings), device, progress=not no_progress).run_until_done(max_steps)
+    table = Table(title=f"trainer of run '{settings.run}'" + (" (stopped)" if report.stopped else " (done)"), show_header=False)
+    table.add_row("steps", str(report.steps))
+    table.add_row("epochs done", f"{report.epochs_done} / {settings.train.epochs}")
+    for epoch in sorted(report.consumed):
+        table.add_row(f"epoch {epoch}", f"{report.consumed[epoch]} chunks trained, {report.duplicates_skipped.get(epoch, 0)} duplicates skipped")
+    if report.last_loss is not None:
+        table.add_row("last loss / EAL", f"{report.last_loss:.4f} / {report.last_eal:.3f}")
+    table.add_row("checkpoint", str(report.checkpoint))
+    console.print(table)
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("out", type=click.Path())
+def export(checkpoint, out):
+    """Export a trainer checkpoint (or a run's checkpoints folder: its latest) in the z-lab DFlash format
+    that vLLM, SGLang and the `dflash` package load."""
+    from dflashq.exceptions import InputError
+    from trainer import checkpoint as checkpoints
+    from trainer.export import export_checkpoint
+
+    source = Path(checkpoint)
+    if not (source / "state.json").exists():
+        source = checkpoints.latest(source)
+        if source is None:
+            raise InputError(f"{checkpoint} is neither a checkpoint nor a checkpoints folder with one: give <store>/<run>/checkpoints.")
+    click.echo(export_checkpoint(source, out))
+
+
+@click.command("eval")
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(), help="Exported drafter folder.")
+@click.option("--model", "target", required=True, type=click.Path(), help="Target model folder.")
+@click.option("--data", "prompts_file", type=click.Path(), help="Prompts JSONL (`prompt` or `messages` per line).")
+@click.option("--blobs", "blob_paths", multiple=True, type=click.Path(), help="Held-out blobs (files or folders): offline EAL.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--num-anchors", default=512, show_default=True, help="Anchors per sample with --blobs.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_anchors, device, as_json):
+    """Measure a drafter: real greedy speculative decoding on prompts (tau, lossless check), or EAL on blobs."""
+    from dflashq.blob import decode_blob
+    from dflashq.exceptions import InputError
+    from trainer.evaluate import evaluate_blobs, evaluate_prompts, read_prompts
+    from trainer.export import load_exported
+    from trainer.target_head import TargetHead
+
+    if bool(prompts_file) == bool(blob_paths):
+        raise click.UsageError("Give either --data PROMPTS.jsonl or --blobs PATH...")
+    if prompts_file:
+        report = evaluate_prompts(target, drafter_dir, read_prompts(prompts_file), max_new_tokens, device)
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            table = Table(title=f"speculative decoding: mean tau {report['mean_tau']:.3f}, lossless {report['lossless']}")
+            for col in ("prompt", "tau", "target passes", "new tokens", "lossless"):
+                table.add_column(col)
+            for i, r in enumerate(report["prompts"]):
+                table.add_row(str(i), f"{r['tau']:.3f}", str(r["passes"]), str(r["new_tokens"]), str(r["lossless"]))
+            console.print(table)
+        if not report["lossless"]:
+            raise DflashqError("Speculative output differs from plain greedy decoding: this is a bug, please report it with the prompts.")
+        return
+    files = [p for path in map(Path, blob_paths) for p in (sorted(path.glob("**/*.dfq")) if path.is_dir() else [path])]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing or not files:
+        raise InputError(f"No blob at {', '.join(missing) or ', '.join(blob_paths)}: give .dfq files or folders holding them.")
+    drafter = load_exported(drafter_dir, device)
+    head = TargetHead.from_pretrained(target, dtype=next(drafter.parameters()).dtype, device=device)
+    report = evaluate_blobs(drafter, head, [decode_blob(p.read_bytes()) for p in files], num_anchors)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        console.print(f"{report['samples']} samples: loss {report['loss']:.4f}, EAL {report['eal']:.3f}, "
+                      f"acc per slot {[round(a, 3) for a in report['acc']]}")
+
+
+COMMANDS = [train, export, evaluate]
