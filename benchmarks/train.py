@@ -7,13 +7,17 @@ backward, clipping, AdamW on fp32 master weights, bf16 autocast).
 MFU counts matmul FLOPs analytically (fc, projections, MLP x3 for forward + both backward products; fc x2: its
 input needs no gradient; the frozen head x2: logits + input gradient) plus attention over the keys each query may
 see (x3.5: forward + FlashAttention-style backward).
-Usage: python benchmarks/train.py [--tiny] [--steps 20]
+--shape picks the target: qwen3.6-27b (above), qwen3-8b (H 4096, V 151936, full attention) or smollm2 (H 576, V 49152,
+the target's own 9/3 heads of 64). --lengths varied draws sample lengths per step and packs them as the trainer packs
+a chunk, so shapes change as in a run; compile_seconds = the whole run minus every step at the steady median.
+Usage: python benchmarks/train.py [--tiny] [--shape qwen3-8b] [--steps 20] [--lengths varied] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.extract import QWEN36_27B, TINY, matmul_tflops, sync  # noqa: E402
+from benchmarks.extract import QWEN36_27B, TINY, matmul_tflops, print_profile, sync  # noqa: E402
+from dflashq.chunk import micro_batches  # noqa: E402
+from trainer.anchors import sample_anchors  # noqa: E402
 from trainer.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from trainer.step import Batch, WarmupCosine, build_optimizer, train_step  # noqa: E402
 from trainer.target_head import TargetHead  # noqa: E402
@@ -46,21 +52,57 @@ def step_flops(cfg: DrafterConfig, context_len: int, anchors: torch.Tensor) -> f
     return flops
 
 
+# Target config fields the drafter defaults read (published configs). The drafter takes the released shape
+# (32/8 heads of 128, full attention) except where noted.
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3)  # under hidden 1024: the target's own attention
+SHAPES = {
+    # the released Qwen3.6-27B drafter's layout: 4 sliding + 1 full
+    "qwen3.6-27b": (QWEN36_27B, ["sliding_attention"] * 4 + ["full_attention"]),
+    "qwen3-8b": (QWEN3_8B, None),
+    "smollm2": (SMOLLM2, None),
+}
+
+
+def batches(args, cfg, device, dtype, gen: torch.Generator):
+    """Fixed: `--batch` samples of `--seq-len` tokens every step. Varied: samples of 1/4..1x `--seq-len` tokens, packed
+    into micro-batches of at most `--micro-batch-tokens` padded tokens as the trainer packs a chunk (so the shapes
+    change from step to step, as in a run)."""
+    while True:
+        if args.lengths == "fixed":
+            lengths = [args.seq_len] * args.batch
+        else:
+            lengths = torch.randint(args.seq_len // 4, args.seq_len + 1, (64,), generator=gen).tolist()
+            lengths = [lengths[i] for i in micro_batches(lengths, args.micro_batch_tokens)[0]]
+        b, t = len(lengths), max(lengths)
+        mask = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).to(torch.uint8)  # [b, T]
+        yield Batch(torch.randn(b, t, cfg.num_tapped * cfg.hidden_size, dtype=dtype, device=device),  # [b, T, K*H]
+                    torch.randint(0, cfg.vocab_size, (b, t), device=device),  # [b, T]
+                    mask.to(device))  # [b, T]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny drafter on the CPU (checks the script)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-27b", help="the target whose drafter is trained")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--lengths", choices=["fixed", "varied"], default="fixed",
+                        help="varied: random sample lengths packed like a chunk; reports compile time over the run")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--profile", action="store_true", help="also print the top operators of one step")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    target = dict(TINY if args.tiny else QWEN36_27B)
-    seq_len = 256 if args.tiny else args.seq_len
-    # the released Qwen3.6-27B drafter's layout (the default is full attention in every layer)
-    cfg = DrafterConfig.default_for_target(target, num_layers=5, mask_token_id=target["vocab_size"] - 1,
-                                           layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    target, layer_types = (TINY, None) if args.tiny else SHAPES[args.shape]
+    if args.tiny:
+        args.seq_len, args.micro_batch_tokens = 256, 512
+    layout = {"layer_types": layer_types} if layer_types else {}
+    cfg = DrafterConfig.default_for_target(target, num_layers=5, mask_token_id=target["vocab_size"] - 1, **layout)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).to(device)  # fp32 master weights
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -68,49 +110,54 @@ def main() -> None:
                       torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=head_dtype, device=device) * 0.02)
     optimizer, scheduler = build_optimizer(drafter, 6e-4, 0.0, WarmupCosine(0.04, 1000))
     generator = torch.Generator(device=device).manual_seed(0)
-    batch = Batch(
-        torch.randn(args.batch, seq_len, cfg.num_tapped * cfg.hidden_size, dtype=head_dtype, device=device),  # [b, T, K*H]
-        torch.randint(0, cfg.vocab_size, (args.batch, seq_len), device=device),  # [b, T]
-        torch.ones(args.batch, seq_len, dtype=torch.uint8, device=device),  # [b, T]
-    )
     ceiling = matmul_tflops(device)
     kwargs = dict(num_anchors=args.anchors, grad_clip=1.0, loss_chunk_rows=2048, generator=generator)
-    start = time.perf_counter()
-    for _ in range(args.warmup_steps):  # compiles flex attention and the block-mask builder
-        train_step(drafter, head, batch, optimizer, scheduler, **kwargs)
-    sync(device)
-    warmup_s = time.perf_counter() - start
+    source = batches(args, cfg, device, head_dtype, torch.Generator().manual_seed(1))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    # the same anchor draws as the timed steps, for the FLOP count
-    probe = torch.Generator(device=device).manual_seed(generator.initial_seed())
-    probe.set_state(generator.get_state())
-    from trainer.anchors import sample_anchors
-
-    flops = sum(step_flops(cfg, seq_len, sample_anchors(batch.loss_mask, args.anchors, probe)[0]) for _ in range(args.steps))
-    sync(device)
+    times, flops, tokens = [], [], 0
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(args.warmup_steps + args.steps):  # the first ones compile flex attention and the block masks
+        batch = next(source)
+        # the step's own anchor draws, for its FLOP count
+        probe = torch.Generator(device=device).manual_seed(generator.initial_seed())
+        probe.set_state(generator.get_state())
+        anchors = sample_anchors(batch.loss_mask, args.anchors, probe)[0]
+        sync(device)
+        t0 = time.perf_counter()
         stats = train_step(drafter, head, batch, optimizer, scheduler, **kwargs)
-    sync(device)
-    seconds = time.perf_counter() - start
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        flops.append(sum(step_flops(cfg, int(row.sum()), a[None]) for row, a in zip(batch.loss_mask, anchors)))
+        tokens += int(batch.loss_mask.sum())
+    total_s = time.perf_counter() - start
+    timed, timed_flops = times[args.warmup_steps:], flops[args.warmup_steps:]
+    median = statistics.median(timed)
+    seconds = sum(timed)
+    if args.profile:
+        print_profile(device, lambda: train_step(drafter, head, next(source), optimizer, scheduler, **kwargs))
     result = {
         "benchmark": "train",
+        "shape": "tiny" if args.tiny else args.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "drafter_params_b": round(sum(p.numel() for p in drafter.parameters()) / 1e9, 3),
         "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "block": cfg.block_size,
-        "seq_len": seq_len, "anchors": args.anchors, "batch": args.batch, "steps": args.steps,
-        "warmup_seconds": round(warmup_s, 1),
+        "heads": [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim], "layer_types": cfg.layer_types,
+        "lengths": args.lengths, "seq_len": args.seq_len, "anchors": args.anchors, "steps": args.steps,
+        "warmup_seconds": round(sum(times[:args.warmup_steps]), 1),
+        # whole run (warm-up included) minus every step at the steady median: what compiling cost
+        "compile_seconds": round(sum(times) - len(times) * median, 1),
         "step_ms": round(1000 * seconds / args.steps, 1),
-        "samples_per_s": round(args.batch * args.steps / seconds, 2),
+        "median_step_ms": round(1000 * median, 1),
+        "tokens_per_s": round(tokens / total_s, 1),
         "matmul_tflops": round(ceiling, 1),
-        "model_tflops": round(flops / seconds / 1e12, 1),
-        "mfu": round(flops / seconds / 1e12 / ceiling, 3) if device.type == "cuda" else None,
+        "model_tflops": round(sum(timed_flops) / seconds / 1e12, 1),
+        "mfu": round(sum(timed_flops) / seconds / 1e12 / ceiling, 3) if device.type == "cuda" else None,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if device.type == "cuda" else None,
         "last_loss": round(stats.loss, 3),
     }
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
