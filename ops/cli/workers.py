@@ -1,4 +1,4 @@
-"""Commands of the extraction side: worker, inspect, verify, tiny-model."""
+"""Commands of the extraction side: worker, inspect, verify."""
 
 from __future__ import annotations
 
@@ -88,15 +88,4 @@ def verify(settings, num_samples, device, seed):
         raise VerificationFailed(f"Stored hidden states of layer(s) {bad} are all-zero, non-finite or wrong: do not train on this run; re-extract it.")
 
 
-@click.command("tiny-model")
-@click.argument("out", type=click.Path(file_okay=False))
-@click.option("--arch", type=click.Choice(["qwen3_5", "qwen3_next", "llama"]), default="qwen3_5", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-def tiny_model(out, arch, seed):
-    """Write a small random model with a tokenizer and chat template (demos, tests, dry runs)."""
-    from workers.tiny_model import write_tiny_model
-
-    click.echo(write_tiny_model(out, arch, seed))
-
-
-COMMANDS = [worker, inspect, verify, tiny_model]
+COMMANDS = [worker, inspect, verify]
