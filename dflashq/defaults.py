@@ -41,6 +41,16 @@ WRITER_THREADS = 4
 FUSED_KERNELS = True  # flash-linear-attention's kernels for the hybrid Qwen layers on a GPU (workers/fused_kernels.py)
 MAX_SPLITS = 4
 
+# [regenerate]
+REGENERATE_TEMPERATURE = 0.0  # 0: greedy
+REGENERATE_MAX_NEW_TOKENS = 4096  # per assistant turn (data.max_length cuts longer samples anyway)
+REGENERATE_ENABLE_THINKING = True  # what Qwen3-style templates do by default; templates without the switch ignore it
+REGENERATE_CONCURRENCY = 64  # endpoint engine: requests in flight
+REGENERATE_TIMEOUT_SECONDS = 600.0  # endpoint engine: one request, a whole non-streamed response
+REGENERATE_RETRIES = 5  # endpoint engine: after connection errors, timeouts, 5xx, 429 and malformed bodies
+REGENERATE_BATCH_TOKENS = 65536  # transformers engine: rows x (longest prompt + max_new_tokens) per generate call
+REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists
+
 # dashboard
 DASHBOARD_HOST = "127.0.0.1"
 DASHBOARD_PORT = 9181

@@ -97,6 +97,18 @@ class TrainSettings:
     seed: int = defaults.SEED
 
 
+@dataclasses.dataclass
+class RegenerateSettings:
+    temperature: float = defaults.REGENERATE_TEMPERATURE
+    max_new_tokens: int = defaults.REGENERATE_MAX_NEW_TOKENS
+    enable_thinking: bool = defaults.REGENERATE_ENABLE_THINKING
+    concurrency: int = defaults.REGENERATE_CONCURRENCY
+    timeout_seconds: float = defaults.REGENERATE_TIMEOUT_SECONDS
+    retries: int = defaults.REGENERATE_RETRIES
+    batch_tokens: int = defaults.REGENERATE_BATCH_TOKENS
+    served_model: str = defaults.REGENERATE_SERVED_MODEL
+
+
 SECTIONS: dict[str, type] = {
     "redis": RedisSettings,
     "store": StoreSettings,
@@ -105,6 +117,7 @@ SECTIONS: dict[str, type] = {
     "backpressure": BackpressureSettings,
     "workers": WorkersSettings,
     "train": TrainSettings,
+    "regenerate": RegenerateSettings,
 }
 
 
@@ -118,6 +131,7 @@ class Settings:
     backpressure: BackpressureSettings = dataclasses.field(default_factory=BackpressureSettings)
     workers: WorkersSettings = dataclasses.field(default_factory=WorkersSettings)
     train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
+    regenerate: RegenerateSettings = dataclasses.field(default_factory=RegenerateSettings)
     config_path: str = ""  # where the TOML came from; relative paths in it are relative to its folder
     overrides: list = dataclasses.field(default_factory=list)  # (key, value) given explicitly, for child processes
 
@@ -269,6 +283,12 @@ def _validate(settings: Settings) -> None:
         (set(settings.train.layer_types) <= {"full_attention", "sliding_attention"},
          "train.layer_types entries must be 'full_attention' or 'sliding_attention'"),
         (settings.workers.heartbeat_seconds * 2 <= settings.workers.worker_ttl, "workers.worker_ttl must be at least twice workers.heartbeat_seconds"),
+        (settings.regenerate.temperature >= 0, "regenerate.temperature must be 0 (greedy) or more"),
+        (settings.regenerate.max_new_tokens >= 1, "regenerate.max_new_tokens must be at least 1"),
+        (settings.regenerate.concurrency >= 1, "regenerate.concurrency must be at least 1"),
+        (settings.regenerate.timeout_seconds > 0, "regenerate.timeout_seconds must be more than 0"),
+        (settings.regenerate.retries >= 0, "regenerate.retries must be 0 or more"),
+        (settings.regenerate.batch_tokens >= 1, "regenerate.batch_tokens must be at least 1"),
     ]
     for ok, message in checks:
         if not ok:

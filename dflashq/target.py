@@ -69,3 +69,12 @@ def load_target(
         raise InputError(f"cannot load the target model from {path!r} ({first}); it must be a causal LM with "
                          f"safetensors weights (set model.trust_remote_code for custom code).") from None
     return model.to(device).eval()
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every id that ends a turn: the generation config's (often several) and the tokenizer's. Generation
+    (regenerate) and evaluation (eval) must stop on the same ids."""
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, (list, tuple)) else [configured]) | {tokenizer.eos_token_id}
+    return {int(i) for i in ids if i is not None}
+

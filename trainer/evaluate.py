@@ -24,7 +24,7 @@ from dflashq.blob import Blob
 from dflashq.capture import HiddenStateCapture
 from dflashq.exceptions import ConfigError, InputError
 from dflashq.layer_ids import CONVENTION
-from dflashq.target import load_target
+from dflashq.target import eos_ids, load_target
 from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import DFlashDrafter
 from trainer.export import load_exported
@@ -166,13 +166,6 @@ def read_prompts(path: str | Path) -> list[str | list[dict]]:
     return prompts
 
 
-def _eos_ids(target_model, tokenizer) -> set[int]:
-    configured = target_model.generation_config.eos_token_id
-    ids = set(configured if isinstance(configured, list) else [configured])
-    ids.add(tokenizer.eos_token_id)
-    return {int(i) for i in ids if i is not None}
-
-
 def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[str | list[dict]],
                      max_new_tokens: int, device: str | torch.device = "cpu") -> dict:
     """Speculative decoding of each prompt (chat template applied, greedy) with an exported drafter: tau per prompt,
@@ -190,14 +183,14 @@ def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[st
         )
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     head = target_head(target_model)
-    eos_ids = _eos_ids(target_model, tokenizer)
+    stop_ids = eos_ids(target_model, tokenizer)
     results = []
     for prompt in prompts:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                    return_dict=True)["input_ids"]
-        spec = speculative_generate(target_model, drafter, head, prompt_ids, max_new_tokens, eos_ids)
-        reference = greedy_generate(target_model, prompt_ids, max_new_tokens, eos_ids)
+        spec = speculative_generate(target_model, drafter, head, prompt_ids, max_new_tokens, stop_ids)
+        reference = greedy_generate(target_model, prompt_ids, max_new_tokens, stop_ids)
         mismatch = next((i for i, (a, b) in enumerate(zip(spec.tokens, reference)) if a != b),
                         None if len(spec.tokens) == len(reference) else min(len(spec.tokens), len(reference)))
         results.append({

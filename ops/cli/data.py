@@ -1,11 +1,63 @@
-"""Commands that prepare and admit data: produce."""
+"""Commands that prepare and admit data: regenerate, produce."""
 
 from __future__ import annotations
+
+import contextlib
 
 import click
 from rich.table import Table
 
 from ops.cli.options import console, open_run, run_options
+
+
+# --- regenerate ---------------------------------------------------------------------------------------------
+@click.command()
+@run_options
+@click.argument("inputs", nargs=-1, type=click.Path())
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False),
+              help="Output JSONL, one regenerated conversation per input record; a rerun resumes it.")
+@click.option("--endpoint", metavar="URL", help="An OpenAI-compatible server (vLLM, SGLang) serving the target.")
+@click.option("--engine", "engine_name", type=click.Choice(["endpoint", "transformers"]),
+              help="Default: endpoint with --endpoint, else transformers (the target from model.path, here).")
+@click.option("--device", help="Transformers engine: cuda:N or cpu (default: cuda:0 when a GPU is visible).")
+@click.option("--concurrency", type=click.IntRange(min=1), help="Endpoint: requests in flight (key regenerate.concurrency).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs, CI).")
+def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency, no_progress):
+    """Replace the assistant turns of conversations with the target's own responses (run it before `produce`)."""
+    from producers.regenerate import regenerate as run_regenerate
+    from producers.regenerate import resolve_inputs
+
+    engine_name = engine_name or ("endpoint" if endpoint else "transformers")
+    if (engine_name == "endpoint") != bool(endpoint):
+        raise click.UsageError("Give --endpoint URL for the endpoint engine, and no --endpoint with --engine transformers.")
+    if concurrency is not None:
+        settings.set("regenerate.concurrency", concurrency)
+    resolve_inputs(settings, inputs, out)  # a wrong path fails before torch is imported and a model loads
+    from producers.engines import EndpointEngine, TransformersEngine
+
+    with contextlib.ExitStack() as stack:
+        if endpoint:
+            engine = stack.enter_context(EndpointEngine(endpoint, settings.regenerate))
+        else:
+            import torch
+
+            engine = TransformersEngine(settings, device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+        report = run_regenerate(settings, list(inputs), out, engine, progress=not no_progress)
+    table = Table(title=f"regenerated into {out}", show_header=False)
+    table.add_row("records read", str(report.records))
+    for field in ("already_done", "duplicates", "regenerated", "rejected", "failed", "truncated_turns"):
+        table.add_row(field.replace("_", " "), str(getattr(report, field)))
+    table.add_row("generated tokens", str(report.tokens))
+    table.add_row("tokens/s", f"{report.tokens_per_second:,.0f}")
+    if report.torn_line_dropped:
+        table.add_row("torn last line", "cut off and redone")
+    if report.rejected:
+        table.add_row("rejects file", report.rejects_file)
+        table.add_row("reject reasons", ", ".join(f"{k}: {v}" for k, v in sorted(report.reasons.items())))
+    if report.failed:
+        table.add_row("failed file", f"{report.failed_file} (run again to retry them)")
+    console.print(table)
+
 
 # --- produce ------------------------------------------------------------------------------------------------
 @click.command()
@@ -33,4 +85,4 @@ def produce(settings, inputs, epochs, no_progress):
     console.print(table)
 
 
-COMMANDS = [produce]
+COMMANDS = [regenerate, produce]

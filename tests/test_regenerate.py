@@ -1,0 +1,410 @@
+"""Regeneration with the tiny target: the transformers engine killed and resumed in a real process, left-padded
+batches equal to unbatched greedy decoding, the endpoint engine against a real HTTP server that fails on purpose,
+and the settings that reach the engines."""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from dflashq import settings as S
+from dflashq.exceptions import ConfigError, InputError
+from dflashq.target import load_target
+from producers.conversation import normalize
+from producers.engines import EndpointEngine, TransformersEngine
+from producers.regenerate import record_key, regenerate
+from trainer.evaluate import greedy_generate
+from workers.tiny_model import EOS_ID
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_NEW = 6
+
+
+class Target:
+    """The tiny target's own turns the plain way: chat template, then unbatched greedy decoding with its cache."""
+
+    def __init__(self, path: str):
+        self.model = load_target(path, "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.eos_ids = {EOS_ID, self.tokenizer.eos_token_id}
+        self.lock = threading.Lock()  # the HTTP server's threads share the model
+
+    def prompt_ids(self, messages, tools=None, enable_thinking=True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=enable_thinking)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def reply(self, messages, tools=None, max_new_tokens=MAX_NEW, enable_thinking=True) -> tuple[str, int, bool]:
+        """The next assistant turn's text, its token count and whether it was cut at max_new_tokens."""
+        ids = self.prompt_ids(messages, tools, enable_thinking)
+        with self.lock:
+            tokens = greedy_generate(self.model, ids, max_new_tokens, self.eos_ids)
+        return self.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), tokens[-1] not in self.eos_ids
+
+    def regenerated(self, record: dict, max_new_tokens=MAX_NEW) -> list[dict]:
+        """What regeneration must write: the source's other turns, each assistant turn made from the new history."""
+        conversation = normalize(record)
+        messages = []
+        for message in conversation.messages:
+            if message["role"] == "assistant":
+                message = {"role": "assistant", "content": self.reply(messages, conversation.tools, max_new_tokens)[0]}
+            messages.append(message)
+        return messages
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen35) -> Target:
+    target = Target(tiny_qwen35)
+    target.reply([{"role": "user", "content": "warm up"}])  # the first forward is slow; no request may time out on it
+    return target
+
+
+def chat(*turns: str, **extra) -> dict:
+    """user, assistant, user, assistant... from the given texts."""
+    roles = ("user", "assistant")
+    return {"messages": [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)], **extra}
+
+
+def read_jsonl(path) -> list[dict]:
+    """The complete lines of a JSONL file (a line still being written is not)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines(keepends=True) if line.endswith("\n")]
+
+
+def before_first_reply(record: dict) -> list[dict]:
+    messages = normalize(record).messages
+    return messages[: next(i for i, m in enumerate(messages) if m["role"] == "assistant")]
+
+
+def table_value(stdout: str, label: str) -> str:
+    """A row's value in the summary table the command prints."""
+    return re.search(rf"{label}\s*│\s*(.*?)\s*│", stdout).group(1)
+
+
+def cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ops.cli", "regenerate", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, env=env)
+
+
+# --- the transformers engine --------------------------------------------------------------------------------
+def test_killed_run_resumes_without_losing_or_doubling_a_record(tmp_path, tiny_qwen35, target):
+    good = []
+    for i in range(16):
+        record = chat(f"Question {i}: tell me about " + "the sea " * (i % 5), f"an old answer {i}", id=f"r{i}")
+        if i % 4 == 0:  # multi-turn, some keyed by their content instead of an id
+            record = chat(f"Question {i}", "old 1", f"And then {i}?", "old 2", **({} if i % 8 else {"id": f"r{i}"}))
+        good.append(record)
+    lines = [json.dumps(r) for r in good]
+    bad = {  # 1-based line number in the file -> the reason's words
+        len(lines) + 1: ("malformed JSON", '{"messages": [{"role": "user"'),
+        len(lines) + 2: ("no assistant turn", json.dumps({"messages": [{"role": "user", "content": "only this"}]})),
+        len(lines) + 3: ("pre-tokenized", json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]})),
+        len(lines) + 4: ("no messages", json.dumps({"text": "an unknown format"})),
+    }
+    lines += [line for _, line in bad.values()]
+    lines.append(json.dumps(good[3]))  # the same key again: written once
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    config = tmp_path / "run.toml"
+    # one conversation per generate call (no two fit in 8 tokens), four per write: several fsynced writes
+    config.write_text(f'[model]\npath = "{tiny_qwen35}"\n[data]\npaths = ["{data}"]\n'
+                      f'[regenerate]\nmax_new_tokens = {MAX_NEW}\nbatch_tokens = 8\n')
+    out = tmp_path / "out" / "regenerated.jsonl"
+    command = [sys.executable, "-m", "ops.cli", "regenerate", "--config", str(config), "--out", str(out),
+               "--engine", "transformers", "--device", "cpu", "--no-progress"]
+    with open(tmp_path / "stderr", "wb") as stderr:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        while proc.poll() is None and not (out.exists() and out.read_bytes().count(b"\n") >= 4):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, (tmp_path / "stderr").read_text()
+    written = read_jsonl(out)
+    keys = [record_key(r) for r in good]
+    assert 4 <= len(written) < len(good)
+    pending = next(k for k in keys if k not in {w["id"] for w in written})
+    with open(out, "a") as f:  # a crash in the middle of writing a line
+        f.write(json.dumps({"id": pending, "source": "x", "messages": []})[:25])
+
+    rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert table_value(rerun.stdout, "torn last line") == "cut off and redone"
+    assert table_value(rerun.stdout, "already done") == str(len(written))
+    assert table_value(rerun.stdout, "duplicates") == "1" and table_value(rerun.stdout, "rejected") == "4"
+    lines_out = read_jsonl(out)
+    assert [line["id"] for line in lines_out][: len(written)] == [w["id"] for w in written]  # appended, never rewritten
+    assert sorted(line["id"] for line in lines_out) == sorted(keys)  # every record once, the duplicate too
+    by_key = {line["id"]: line for line in lines_out}
+    for number, (record, key) in enumerate(zip(good, keys), start=1):
+        assert by_key[key]["source"] == f"{data}:{number}"
+        assert by_key[key]["messages"] == target.regenerated(record), number
+    # the second turn came from the regenerated first one, not from the dataset's
+    multi = by_key[keys[0]]["messages"]
+    assert [m["content"] for m in multi[::2]] == ["Question 0", "And then 0?"]
+    assert multi[3]["content"] != target.reply(good[0]["messages"][:3])[0]
+    rejects = read_jsonl(tmp_path / "out" / "regenerated.rejects.jsonl")
+    assert [r["source"] for r in rejects] == [f"{data}:{n}" for n in bad]
+    for reject, (words, _) in zip(rejects, bad.values()):
+        assert words in reject["reason"]
+    assert read_jsonl(tmp_path / "out" / "regenerated.failed.jsonl") == []
+
+
+def test_left_padded_batches_equal_unbatched_greedy_for_every_input_format(tmp_path, tiny_qwen35, target):
+    jsonl = tmp_path / "a.jsonl"
+    tools = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    with_tool = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                              {"role": "assistant", "content": "", "tool_calls": [call]},
+                              {"role": "tool", "content": "sunny, 21 C"},
+                              {"role": "assistant", "content": "It is sunny."}], "tools": tools}
+    records = [chat("Hi", "old"), chat("A much longer question about " + "many things " * 12, "old"), with_tool]
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    sharegpt = {"system": "You are terse.", "conversations": [{"from": "human", "value": "Name a color"},
+                                                              {"from": "gpt", "value": "Red"},
+                                                              {"from": "human", "value": "Another one"},
+                                                              {"from": "gpt", "value": "Blue"}]}
+    (tmp_path / "b.json").write_text(json.dumps([sharegpt]))
+    pairs = [{"prompt": "What is 2+2?", "response": "4"}, {"prompt": "Say something " * 5, "response": "ok"}]
+    pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "c.parquet")
+    inputs = [str(jsonl), str(tmp_path / "b.json"), str(tmp_path / "c.parquet")]
+    settings = S.load(None, [("model.path", tiny_qwen35), ("regenerate.max_new_tokens", MAX_NEW),
+                             ("regenerate.batch_tokens", 4096)], environ={})
+    engine = TransformersEngine(settings, "cpu")
+    prompts = [before_first_reply(r) for r in records + [sharegpt] + pairs]
+    lengths = [len(target.prompt_ids(m, tools if i == 2 else None)) for i, m in enumerate(prompts)]
+    assert len(set(lengths)) > 1 and len(lengths) * (max(lengths) + MAX_NEW) <= 4096  # one left-padded batch
+
+    out = tmp_path / "regenerated.jsonl"
+    report = regenerate(settings, inputs, str(out), engine, progress=False)
+    assert (report.records, report.regenerated, report.rejected, report.failed) == (6, 6, 0, 0)
+    assert report.tokens == report.truncated_turns * MAX_NEW > 0  # the random target never ends a turn by itself
+    written = read_jsonl(out)
+    assert [w["source"] for w in written] == [f"{jsonl}:1", f"{jsonl}:2", f"{jsonl}:3", f"{inputs[1]}#0",
+                                              f"{inputs[2]}#0", f"{inputs[2]}#1"]
+    for line, record in zip(written, records + [sharegpt] + pairs):
+        assert line["messages"] == target.regenerated(record)
+        assert line["id"] == record_key(record)
+    assert written[2]["tools"] == tools and written[2]["messages"][2] == {"role": "tool", "content": "sunny, 21 C"}
+    assert written[3]["messages"][0] == {"role": "system", "content": "You are terse."}
+    assert [m["content"] for m in written[3]["messages"] if m["role"] == "user"] == ["Name a color", "Another one"]
+
+
+# --- the endpoint engine ------------------------------------------------------------------------------------
+class ChatServer(ThreadingHTTPServer):
+    """An OpenAI-compatible chat-completions server answering with the tiny target's greedy turns, failing on purpose
+    once for prompts containing inject-500, inject-429, inject-slow and inject-malformed, and always for always-fail
+    while `failing` is set."""
+
+    daemon_threads = True
+
+    def __init__(self, target: Target, slow_seconds: float):
+        super().__init__(("127.0.0.1", 0), ChatHandler)
+        self.target, self.slow_seconds, self.failing = target, slow_seconds, True
+        self.lock = threading.Lock()
+        self.attempts: collections.Counter = collections.Counter()  # per exact request body
+        self.bodies: list[dict] = []
+        self.clients: set = set()  # (host, port) of each connection: a kept client reuses them
+        self.models_requests = 0
+        self.in_flight = self.max_in_flight = 0
+        self.errors: list[BaseException] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request, client_address):
+        self.errors.append(sys.exc_info()[1])
+
+
+class ChatHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM and SGLang serve
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, status: int, payload: bytes) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up on a slow answer
+            pass
+
+    def do_GET(self):
+        server: ChatServer = self.server
+        with server.lock:
+            server.models_requests += 1
+        self.send(200, json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}).encode())
+
+    def do_POST(self):
+        server: ChatServer = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        key = json.dumps(body["messages"])
+        with server.lock:
+            server.in_flight += 1
+            server.max_in_flight = max(server.max_in_flight, server.in_flight)
+            server.attempts[key] += 1
+            first = server.attempts[key] == 1
+            server.bodies.append(body)
+            server.clients.add(self.client_address)
+        try:
+            self.answer(server, body, key, first)
+        finally:
+            with server.lock:
+                server.in_flight -= 1
+
+    def answer(self, server: ChatServer, body: dict, key: str, first: bool) -> None:
+        if "inject-500" in key and first:
+            return self.send(500, b'{"error": "internal"}')
+        if "inject-429" in key and first:
+            return self.send(429, b'{"error": "slow down"}')
+        if "inject-malformed" in key and first:
+            return self.send(200, b'{"choices": [{"message": ')
+        if "always-fail" in key and server.failing:
+            return self.send(503, b'{"error": "overloaded"}')
+        if "inject-slow" in key and first:
+            time.sleep(server.slow_seconds)
+        assert body["model"] == "tiny"
+        content, tokens, truncated = server.target.reply(
+            body["messages"], body.get("tools"), body["max_tokens"], body["chat_template_kwargs"]["enable_thinking"])
+        self.send(200, json.dumps({
+            "id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": "length" if truncated else "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1},
+        }).encode())
+
+
+@pytest.fixture
+def chat_server(target):
+    server = ChatServer(target, slow_seconds=3.5)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    assert server.errors == []
+
+
+def test_endpoint_retries_until_complete_and_records_what_keeps_failing(tmp_path, target, chat_server):
+    records = [chat(f"plain question {i}", "old", id=f"p{i}") for i in range(5)]
+    records += [chat(f"{name} please", "old", id=name) for name in ("inject-500", "inject-429", "inject-slow", "inject-malformed")]
+    records.append(chat("inject-500 in turn one", "old", "and a second question", "old", id="multi"))
+    records.append(chat("always-fail", "old", id="doomed"))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    settings = S.load(None, [("regenerate.max_new_tokens", MAX_NEW), ("regenerate.concurrency", 4),
+                             ("regenerate.timeout_seconds", 3), ("regenerate.retries", 2)], environ={})
+    out = tmp_path / "regenerated.jsonl"
+    with EndpointEngine(chat_server.url + "/v1/", settings.regenerate) as engine:
+        assert engine.model == "tiny" and chat_server.models_requests == 1
+        report = regenerate(settings, [str(data)], str(out), engine, progress=False)
+    assert (report.regenerated, report.failed, report.rejected) == (len(records) - 1, 1, 0)
+    written = {line["id"]: line["messages"] for line in read_jsonl(out)}
+    assert set(written) == {r["id"] for r in records} - {"doomed"}
+    for record in records[:-1]:
+        assert written[record["id"]] == target.regenerated(record), record["id"]
+    injected = [n for body, n in chat_server.attempts.items() if "inject-" in body]
+    assert injected == [2] * 6  # each failed once, then answered (both turns of "multi" too)
+    assert [n for body, n in chat_server.attempts.items() if "always-fail" in body] == [3]  # 1 + retries
+    (failure,) = read_jsonl(tmp_path / "regenerated.failed.jsonl")
+    assert failure["id"] == "doomed" and failure["source"] == f"{data}:{len(records)}"
+    assert "HTTP 503" in failure["reason"] and "after 2 retries" in failure["reason"]
+    assert chat_server.max_in_flight > 1  # --concurrency really overlaps requests
+    assert len(chat_server.clients) < len(chat_server.bodies)  # over kept connections
+    assert report.tokens == report.truncated_turns * MAX_NEW == 11 * MAX_NEW  # usage counted; no turn ends by itself
+
+    chat_server.failing = False
+    with EndpointEngine(chat_server.url, settings.regenerate) as engine:
+        rerun = regenerate(settings, [str(data)], str(out), engine, progress=False)
+    assert (rerun.already_done, rerun.regenerated, rerun.failed) == (len(records) - 1, 1, 0)
+    lines = read_jsonl(out)
+    assert len(lines) == len(records) and lines[-1]["id"] == "doomed"
+    assert lines[-1]["messages"] == target.regenerated(records[-1])
+    assert read_jsonl(tmp_path / "regenerated.failed.jsonl") == []
+
+
+# --- settings and user errors -------------------------------------------------------------------------------
+def test_settings_reach_the_endpoint(tmp_path, chat_server):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(chat("Hello", "old")) + "\n")
+    env = dict(os.environ, DFLASHQ_REGENERATE_SERVED_MODEL="tiny")
+    proc = cli(data, "--out", tmp_path / "o.jsonl", "--endpoint", chat_server.url, "--no-progress", "--concurrency", 2,
+               "--set", "regenerate.max_new_tokens=3", "--set", "regenerate.enable_thinking=false", env=env)
+    assert proc.returncode == 0, proc.stderr
+    (body,) = chat_server.bodies
+    assert (body["max_tokens"], body["temperature"], body["chat_template_kwargs"]) == (3, 0.0, {"enable_thinking": False})
+    assert chat_server.models_requests == 0  # the served model came from the environment
+    assert table_value(proc.stdout, "regenerated") == "1"
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("regenerate.max_new_tokens", "0", "regenerate.max_new_tokens must be at least 1"),
+    ("regenerate.temperature", "-0.5", "regenerate.temperature must be 0"),
+    ("regenerate.concurrency", "0", "regenerate.concurrency must be at least 1"),
+    ("regenerate.timeout_seconds", "0", "regenerate.timeout_seconds must be more than 0"),
+    ("regenerate.retries", "-1", "regenerate.retries must be 0 or more"),
+    ("regenerate.batch_tokens", "0", "regenerate.batch_tokens must be at least 1"),
+    ("regenerate.enable_thinking", "maybe", "not a valid bool"),
+    ("regenerate.max_new_tokens", "many", "not a valid int"),
+])
+def test_invalid_settings_are_one_sentence(key, value, words):
+    with pytest.raises(ConfigError) as info:
+        S.load(None, [(key, value)], environ={})
+    assert words in str(info.value) and "\n" not in str(info.value)
+    env_name = "DFLASHQ_" + key.replace(".", "_").upper()
+    with pytest.raises(ConfigError):
+        S.load(None, environ={env_name: value})
+
+
+def test_a_second_run_on_the_same_output_is_refused(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(chat("Hello", "old")) + "\n")
+    out = tmp_path / "o.jsonl"
+    settings = S.load(None, [("regenerate.served_model", "tiny")], environ={})  # so the engine connects to nothing yet
+    with open(out, "ab") as held, EndpointEngine("http://127.0.0.1:1", settings.regenerate) as engine:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `dflashq regenerate` holds it
+        with pytest.raises(InputError, match="being written by another"):
+            regenerate(settings, [str(data)], str(out), engine, progress=False)
+    assert out.read_bytes() == b"" and not (tmp_path / "o.rejects.jsonl").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["data.jsonl", "--out", "o.jsonl", "--set", "regenerate.concurrency=0"], "regenerate.concurrency must be at least 1"),
+    (["data.jsonl", "--out", "o.jsonl", "--set", "regenerate.retries=0", "--endpoint", f"http://127.0.0.1:{free_port()}"],
+     "fix --endpoint"),
+    (["data.jsonl", "--out", "o.txt"], "must end in .jsonl"),
+    (["nope.jsonl", "--out", "o.jsonl"], "nope.jsonl does not exist"),
+    (["data.txt", "--out", "o.jsonl"], "data.txt has an unknown format"),
+    (["data.jsonl", "--out", "o.jsonl", "--model", "no-model"], "no-model does not exist"),
+])
+def test_cli_user_errors_are_one_sentence(tmp_path, args, words):
+    for name in ("data.jsonl", "data.txt"):
+        (tmp_path / name).write_text(json.dumps(chat("Hello", "old")) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "regenerate", *args], capture_output=True, text=True,
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
