@@ -1,9 +1,10 @@
 """Learning works end to end on the CPU: prompts -> the target's own greedy responses -> produce -> worker ->
 trainer -> export -> real speculative decoding on held-out prompts, with tau well above 1 and lossless output.
 
-The target is a tiny random Qwen3.5-style hybrid whose layers write nothing into the residual stream and whose LM
-head is its embedding (scaled up, so that its logits are confident the way a trained model's are: a drafter that
-agrees with it then keeps agreeing after the bf16 export): its greedy continuation repeats the prompt's last token. A drafter can only accept
+The target is workers.tiny_model.make_learnable's copying one (a tiny random Qwen3.5-style hybrid whose layers write
+nothing into the residual stream and whose LM head is its scaled-up embedding, so that its logits are confident the
+way a trained model's are: a drafter that agrees with it then keeps agreeing after the bf16 export): its greedy
+continuation repeats the prompt's last token. A drafter can only accept
 drafts by learning, through the whole pipeline, what the target emits after each token. Held-out prompts are new
 token sequences (other bodies, other lengths) ending in tokens the training prompts ended in: a drafter this small
 trained for seconds learns the continuations of the tokens it saw, not a general copy rule (measured here: with
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 
 from dflashq import settings as S
-from dflashq.capture import decoder_layers
 from dflashq.run import Run
 from dflashq.target import load_target
 from producers.produce import produce
@@ -29,25 +29,10 @@ from producers.records import data_fingerprint
 from trainer.daemon import Trainer
 from trainer.evaluate import greedy_generate, speculative_generate, target_head
 from trainer.export import export_checkpoint, load_exported
-from workers.tiny_model import write_tiny_model
+from workers.tiny_model import make_learnable, write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESPONSE_TOKENS = 24
-EMBED_SCALE = 5.0  # random init gives rows of norm ~0.16: logits of a few tenths, far from a trained model's
-
-
-def copying_target(out: Path) -> str:
-    path = write_tiny_model(str(out), "qwen3_5")
-    model = load_target(path)
-    with torch.no_grad():
-        for layer in decoder_layers(model):
-            for name, param in layer.named_parameters():
-                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                    param.zero_()
-        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-    model.save_pretrained(path)
-    return path
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -56,7 +41,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def test_pipeline_learns_a_drafter_that_speeds_up_decoding(tmp_path, redis_url):
-    model_dir = copying_target(tmp_path / "target")
+    model_dir = make_learnable(write_tiny_model(str(tmp_path / "target"), "qwen3_5"))
     target = load_target(model_dir)
     eos = {int(target.config.get_text_config().eos_token_id or 0)}
     records = []

@@ -86,3 +86,45 @@ def write_tiny_model(out_dir: str, arch: str = "qwen3_5", seed: int = 0) -> str:
         with open(path, "w") as f:
             json.dump(config, f, indent=2)
     return out_dir
+
+
+EMBED_SCALE = 5.0  # random init gives rows of norm ~0.16: logits of a few tenths, far from a trained model's
+CHAIN_WORDS = ("apple", "river", "stone", "cloud", "garden", "silver", "window", "candle", "forest", "harbor")
+
+
+def make_learnable(model_dir: str, words: tuple[str, ...] | None = None) -> str:
+    """Turn a tiny random model (`write_tiny_model`) into one whose greedy output has structure a drafter can learn.
+    Its decoder layers write nothing into the residual stream and its LM head is its embedding, scaled up so its
+    logits are confident the way a trained model's are: after token x it emits x again (copying). With `words`
+    (each one token with a leading space), the end of the chat template's generation prompt and the last word lead
+    to the first word, and each word to the next: every reply is " w0 w1 w2 ... w0 w1 ...", text that survives
+    decoding and re-tokenizing (as regenerate -> produce do). An untrained drafter gets tau about 1 on either."""
+    from transformers import AutoTokenizer
+
+    from dflashq.capture import decoder_layers
+    from dflashq.target import load_target
+
+    model = load_target(model_dir)
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            for name, param in layer.named_parameters():
+                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                    param.zero_()
+        embed = model.get_input_embeddings().weight  # [V, H]
+        embed.mul_(EMBED_SCALE)
+        head = model.get_output_embeddings().weight  # [V, H]
+        head.copy_(embed)  # row x of the head is x's embedding: the argmax after x is x
+        if words:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            chain = [tokenizer.encode(" " + word, add_special_tokens=False) for word in words]
+            if any(len(ids) != 1 for ids in chain):
+                raise ValueError(f"every chain word must be one token with its leading space: {words}")
+            chain = [ids[0] for ids in chain]
+            prompt_end = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True)["input_ids"][-1]
+            head[prompt_end] = 0.0  # the prompt's end no longer repeats itself...
+            for before, after in zip(chain, chain[1:]):
+                head[after] = embed[before]  # ...each word leads to the next...
+            head[chain[0]] = embed[prompt_end] + embed[chain[-1]]  # ...and the prompt's end and the last word to the first
+    model.save_pretrained(model_dir)
+    return model_dir
