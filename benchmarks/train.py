@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--lengths", choices=["fixed", "varied"], default="fixed",
                         help="varied: random sample lengths packed like a chunk; reports compile time over the run")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
     parser.add_argument("--profile", action="store_true", help="also print the top operators of one step")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -111,7 +112,8 @@ def main() -> None:
     optimizer, scheduler = build_optimizer(drafter, 6e-4, 0.0, WarmupCosine(0.04, 1000))
     generator = torch.Generator(device=device).manual_seed(0)
     ceiling = matmul_tflops(device)
-    kwargs = dict(num_anchors=args.anchors, grad_clip=1.0, loss_chunk_rows=2048, generator=generator)
+    kwargs = dict(num_anchors=args.anchors, grad_clip=1.0, loss_chunk_rows=2048, generator=generator,
+                  attention=args.attention)
     source = batches(args, cfg, device, head_dtype, torch.Generator().manual_seed(1))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -144,7 +146,7 @@ def main() -> None:
         "drafter_params_b": round(sum(p.numel() for p in drafter.parameters()) / 1e9, 3),
         "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "block": cfg.block_size,
         "heads": [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim], "layer_types": cfg.layer_types,
-        "lengths": args.lengths, "seq_len": args.seq_len, "anchors": args.anchors, "steps": args.steps,
+        "attention": args.attention, "lengths": args.lengths, "seq_len": args.seq_len, "anchors": args.anchors, "steps": args.steps,
         "warmup_seconds": round(sum(times[:args.warmup_steps]), 1),
         # whole run (warm-up included) minus every step at the steady median: what compiling cost
         "compile_seconds": round(sum(times) - len(times) * median, 1),

@@ -84,6 +84,9 @@ HEAD_DIM = 0
 INTERMEDIATE_SIZE = 0
 LAYER_TYPES: tuple[str, ...] = ()
 DRAFTER_ATTENTION = (32, 8, 128)  # query heads, kv heads, head_dim
+# "auto": compiled flex_attention on a GPU (block-sparse, fused; compiling it takes minutes on a host whose compile
+# cache is cold), a dense-mask SDPA elsewhere; "sdpa" everywhere needs no compilation (small drafters, short runs)
+ATTENTION = "auto"
 OWN_ATTENTION_BELOW_HIDDEN = 1024
 ROPE_THETA = 10_000_000.0
 SEED = 0

@@ -94,6 +94,7 @@ class TrainSettings:
     head_dim: int = defaults.HEAD_DIM
     intermediate_size: int = defaults.INTERMEDIATE_SIZE
     layer_types: list[str] = dataclasses.field(default_factory=lambda: list(defaults.LAYER_TYPES))
+    attention: str = defaults.ATTENTION
     seed: int = defaults.SEED
 
 
@@ -280,6 +281,7 @@ def _validate(settings: Settings) -> None:
         (settings.train.num_layers >= 1, "train.num_layers must be at least 1"),
         (not settings.train.layer_types or len(settings.train.layer_types) == settings.train.num_layers,
          f"train.layer_types lists {len(settings.train.layer_types)} layers but train.num_layers is {settings.train.num_layers}"),
+        (settings.train.attention in ("auto", "flex", "sdpa"), "train.attention must be 'auto', 'flex' or 'sdpa'"),
         (set(settings.train.layer_types) <= {"full_attention", "sliding_attention"},
          "train.layer_types entries must be 'full_attention' or 'sliding_attention'"),
         (settings.workers.heartbeat_seconds * 2 <= settings.workers.worker_ttl, "workers.worker_ttl must be at least twice workers.heartbeat_seconds"),

@@ -217,3 +217,5 @@ def test_drafter_shape_comes_from_train_settings_and_must_match_the_checkpoint(t
         Trainer(Run.open(make_settings(tmp_path, redis_url, tiny_qwen35)), "cpu", progress=False)
     with pytest.raises(ConfigError, match="train.layer_types lists 1 layers"):
         make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.layer_types": "full_attention"})
+    with pytest.raises(ConfigError, match="train.attention must be"):
+        make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.attention": "dense"})

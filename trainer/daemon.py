@@ -148,7 +148,8 @@ class Trainer:
             stats = train_step(self.drafter, self.head, collate([samples[j] for j in group], self.device),
                                self.optimizer, self.scheduler, num_anchors=self.cfg.num_anchors,
                                grad_clip=self.cfg.grad_clip, loss_chunk_rows=self.cfg.loss_chunk_rows,
-                               generator=self.generator, accumulate=len(groups), apply=i == len(groups) - 1)
+                               generator=self.generator, accumulate=len(groups), apply=i == len(groups) - 1,
+                               attention=self.cfg.attention)
             loss += stats.loss / len(groups)
             correct, count = correct + stats.correct, count + stats.count
         acc = correct / count.clamp_min(1)  # [B-1] over the whole chunk

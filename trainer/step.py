@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from trainer.anchors import gather_blocks, sample_anchors
-from trainer.drafter import DFlashDrafter
+from trainer.drafter import Attention, DFlashDrafter
 from trainer.loss import dflash_loss
 from trainer.target_head import TargetHead
 
@@ -81,7 +81,7 @@ class StepStats:
 
 def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer, scheduler, *, num_anchors: int,
                grad_clip: float, loss_chunk_rows: int, generator: torch.Generator | None = None,
-               accumulate: int = 1, apply: bool = True) -> StepStats:
+               accumulate: int = 1, apply: bool = True, attention: Attention = "auto") -> StepStats:
     """Forward and backward of one (micro-)batch; with `apply`, also clip, step the optimizer and the schedule.
     Micro-batches of one step pass accumulate = their number, and apply=True on the last one only."""
     cfg = drafter.config
@@ -90,7 +90,7 @@ def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer
                                                    cfg.block_size, cfg.mask_token_id)  # [b, N, B] x3
     on_gpu = batch.context.is_cuda
     with torch.autocast(device_type=batch.context.device.type, dtype=torch.bfloat16, enabled=on_gpu):
-        hidden = drafter(batch.context, block_ids, anchors, head)  # [b, N, B, H]
+        hidden = drafter(batch.context, block_ids, anchors, head, attention)  # [b, N, B, H]
     # the head runs in its own dtype (bf16 on GPU): never a converted copy of the [V, H] matrix per step
     out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, targets, slot_valid, chunk_rows=loss_chunk_rows)
     (out.loss / accumulate).backward()
