@@ -43,3 +43,19 @@ def test_produce_benchmark_admits_every_conversation():
     report, _ = bench("produce.py", "--conversations", "200", "--processes", "1")
     assert report["conversations"] == 200 and report["chunks"] > 0
     assert report["tokens_per_second"] > 0 and 500 < report["tokens_per_conversation"] < 2000
+
+
+def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
+    work = str(tmp_path / "quality")
+    report, _ = bench("quality.py", "--tiny", "--work", work)
+    assert report["prompts"]["conversations"] == 24  # read object by object from the cut-off ShareGPT JSON
+    assert report["regenerate"]["regenerated"] > 0 and report["regenerate"]["failed"] == 0
+    assert report["up"]["steps"] > 0 and report["up"]["tokens_extracted"] > 0 and Path(report["up"]["curve"]).is_file()
+    for name in ("mt_bench", "humaneval"):
+        result = report["eval"][name]
+        # dflashq eval and the reference dflash loop report the same tau on every prompt (a Llama target: croppable)
+        assert result["prompts"] == 2 and result["lossless"] and result["per_prompt_equal"] == 2
+        assert result["dflashq_tau"] == result["reference_tau"] >= 1.0
+    again, log = bench("quality.py", "--tiny", "--work", work)
+    assert all(f"{phase}: done earlier" in log for phase in ("model", "prompts", "regenerate", "up", "eval"))
+    assert again["eval"] == report["eval"]
