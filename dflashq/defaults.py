@@ -4,6 +4,7 @@ RUN = "default"
 
 # [redis]
 REDIS_URL = ""  # empty: ops starts a private redis-server in the run directory
+REDIS_OUTAGE_SECONDS = 300.0  # a lost connection is retried (with backoff) this long before a command gives up
 
 # [store]
 STORE_PATH = "dflashq-runs"

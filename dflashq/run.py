@@ -27,11 +27,13 @@ class Run:
         return list(self.manifest["layer_ids"])
 
     @classmethod
-    def open(cls, settings: Settings, data_fingerprint: str | None = None, join: bool = True, with_layers: bool = True) -> "Run":
+    def open(cls, settings: Settings, data_fingerprint: str | None = None, join: bool = True, with_layers: bool = True,
+             heal=None) -> "Run":
         """Connect and join the run; `join=False` only reads (status, dashboards) and never writes the manifest.
 
-        `with_layers=False` is for the producer, which needs only the target's tokenizer, not its config."""
-        conn = connect(settings.redis.url)
+        `with_layers=False` is for the producer, which needs only the target's tokenizer, not its config.
+        `heal` is called while Redis is unreachable (ops passes the embedded server's restart)."""
+        conn = connect(settings.redis.url, outage_seconds=settings.redis.outage_seconds, heal=heal)
         store = Store(settings.store.path, settings.run)
         keys = Keys(settings.run)
         if not join:

@@ -20,6 +20,7 @@ from dflashq.exceptions import ConfigError
 @dataclasses.dataclass
 class RedisSettings:
     url: str = defaults.REDIS_URL
+    outage_seconds: float = defaults.REDIS_OUTAGE_SECONDS
 
 
 @dataclasses.dataclass
@@ -275,6 +276,7 @@ def _validate(settings: Settings) -> None:
         (settings.data.chunk_tokens >= settings.data.max_length, "data.chunk_tokens must be at least data.max_length"),
         (settings.data.tokenize_processes >= 1, "data.tokenize_processes must be at least 1"),
         (settings.data.sort_window >= 1, "data.sort_window must be at least 1"),
+        (settings.redis.outage_seconds >= 0, "redis.outage_seconds must be 0 or more"),
         (settings.backpressure.max_backlog >= 1, "backpressure.max_backlog must be at least 1"),
         (settings.backpressure.max_store_bytes >= 1, "backpressure.max_store_bytes must be at least 1"),
         (settings.train.block_size >= 2, "train.block_size must be at least 2"),

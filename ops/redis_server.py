@@ -154,6 +154,15 @@ class EmbeddedRedis:
                 time.sleep(0.05)
 
 
+def healer(settings):
+    """What restarts the run's Redis while it is unreachable: the embedded server's `ensure` when the run uses it
+    (children of `up` get its URL explicitly, so the port file tells), None for a Redis of the user's own."""
+    if "://" in settings.run_dir:
+        return None
+    server = EmbeddedRedis(settings.run_dir)
+    return server.ensure if settings.redis.url and server.url() == settings.redis.url else None
+
+
 def resolve_url(settings) -> str:
     """The run's Redis URL: the configured one, or the embedded server's (started if needed)."""
     return settings.redis.url or EmbeddedRedis(settings.run_dir).ensure()

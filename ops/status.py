@@ -141,3 +141,43 @@ def render(data: dict, redis_url: str):
             trainer.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
         parts.append(trainer)
     return Group(*parts)
+
+
+class OutageWatch:
+    """Whether the run's Redis answers right now, through a probe connection that never waits or retries, and since
+    when it has not: what `status --watch` and `up`'s view show instead of the run's figures during an outage (the
+    run's own clients keep retrying meanwhile, for up to redis.outage_seconds)."""
+
+    def __init__(self, url: str, outage_seconds: float):
+        import redis
+
+        self.url, self.outage_seconds = url, outage_seconds
+        self.probe = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+        self.since: float | None = None
+
+    def down(self) -> bool:
+        import redis
+
+        try:
+            self.probe.ping()
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.since = self.since or time.time()
+            return True
+        self.since = None
+        return False
+
+    @property
+    def given_up(self) -> bool:
+        """Down for longer than the run's clients wait: they have ended (or will) with the one sentence."""
+        return self.since is not None and time.time() - self.since > self.outage_seconds
+
+    def render(self):
+        from rich.text import Text
+
+        from dflashq.connection import redact
+
+        since = time.strftime("%H:%M:%S", time.localtime(self.since or time.time()))
+        return Text(f"Redis at {redact(self.url)} is unreachable since {since} "
+                    f"({time.time() - (self.since or time.time()):.0f} s): the run's commands keep retrying for up to "
+                    f"{self.outage_seconds:.0f} s (redis.outage_seconds), then stop with one sentence.", style="bold yellow")
+

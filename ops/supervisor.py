@@ -22,7 +22,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from dflashq.exceptions import ChildFailed
+from dflashq.connection import redact
+from dflashq.exceptions import ChildFailed, RedisUnavailable
 from dflashq.run import Run
 from ops import status
 from workers import recovery
@@ -159,10 +160,20 @@ class Supervisor:
     def run_until_done(self, live: bool = True) -> bool:
         """True when the configured epochs were trained; False when stopped early by a signal."""
         interrupted = []
+        outage = status.OutageWatch(self.run.settings.redis.url, self.run.settings.redis.outage_seconds)
         handlers = {sig: signal.signal(sig, lambda *_: interrupted.append(True)) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             with Live(console=self.console, refresh_per_second=1, transient=True) if live else contextlib.nullcontext() as view:
                 while not interrupted and not self.failure and not self._trainer_done() and not self._drained():
+                    if outage.down():  # the children ride it through; their exits wait until Redis is back
+                        if outage.given_up:
+                            raise RedisUnavailable(f"Redis at {redact(self.run.settings.redis.url)} was unreachable "
+                                                   "for longer than redis.outage_seconds: check that it is running, "
+                                                   "then run `dflashq up` again (the run goes on where it stopped).")
+                        if view is not None:
+                            view.update(outage.render())
+                        time.sleep(0.5)
+                        continue
                     self._poll()
                     if view is not None:  # collecting status is a few dozen Redis round trips: only for a live view
                         view.update(status.render(status.collect(self.run), "up"))

@@ -137,4 +137,42 @@ def test_missing_paths_end_in_one_sentence_and_exit_2(tmp_path, redis_url, qwen3
 def test_redis_down_is_one_sentence(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ops.cli", "status", "--redis-url", "redis://127.0.0.1:1/0"],
                           capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "cannot be reached" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is unreachable" in " ".join(proc.stdout.split())  # at once: status does not wait out an outage
+
+
+def test_a_redis_restart_while_admitting_admits_every_chunk_once(tmp_path, redis_url, qwen3_tokenizer_dir):
+    """The producer's Redis (a run's embedded server) SIGKILLed mid-admission and back 2 s later on its port: the
+    producer rides it through and every chunk is admitted and enqueued exactly once."""
+    from ops.redis_server import EmbeddedRedis
+
+    data = write_sample_data(tmp_path / "sample.jsonl", n=2000)
+    reference = make_settings(tmp_path / "reference", redis_url, qwen3_tokenizer_dir, [data],
+                              **{"backpressure.max_backlog": 100000})
+    expected = produce(open_run(reference), epochs=1, progress=False).chunks
+    server = EmbeddedRedis(str(tmp_path / "server"))
+    url = server.ensure()
+    cmd = [sys.executable, "-m", "ops.cli", "produce", "--no-progress", "--epochs", "1", "--run", "p",
+           "--redis-url", url, "--store", str(tmp_path / "store"), "--model", qwen3_tokenizer_dir,
+           "-s", "backpressure.max_backlog=100000", "-s", "data.tokenize_processes=1", "-s", "data.max_length=256",
+           "-s", "data.chunk_tokens=512", str(data)]
+    keys = Keys("p")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        conn = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 120
+        while conn.scard(keys.admitted(0)) < 5:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.02)
+        server.kill()
+        time.sleep(2)
+        server.ensure()  # the producer's clients reconnect to the same port
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        assert "is unreachable" in err and "is back after" in err
+        conn = redis.Redis.from_url(url)
+        assert conn.scard(keys.admitted(0)) == expected and run_queue(conn, "p").count == expected
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()

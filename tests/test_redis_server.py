@@ -31,3 +31,39 @@ def test_start_reuse_stop(tmp_path, monkeypatch):
     stopped = dflashq("redis", "stop", *store)
     assert stopped.stdout.strip() == "stopped"
     assert dflashq("redis", "stop", *store).stdout.strip() == "not running"
+
+
+def test_outage_watch_and_the_client_ride_through_a_restart(tmp_path, capfd):
+    """What `status --watch` and `up`'s view read (a probe that never waits), and the run's own client: it says once
+    that Redis is gone and once that it is back, heals the embedded server, and returns the command's answer."""
+    import time
+
+    from dflashq.connection import connect, outage_since
+    from ops.redis_server import EmbeddedRedis
+    from ops.status import OutageWatch
+
+    server = EmbeddedRedis(str(tmp_path))
+    url = server.ensure()
+    try:
+        conn = connect(url, outage_seconds=60, heal=server.ensure)
+        conn.set("k", "v")
+        watch = OutageWatch(url, 60)
+        assert not watch.down() and watch.since is None
+        server.kill()
+        assert watch.down() and watch.since is not None and not watch.given_up
+        assert "is unreachable since" in watch.render().plain and "redis.outage_seconds" in watch.render().plain
+        started = time.monotonic()
+        assert conn.get("k") == b"v"  # retried until healed: the embedded server restarted from its AOF
+        assert time.monotonic() - started < 30 and outage_since(conn) is None and not watch.down()
+        err = capfd.readouterr().err
+        assert err.count("is unreachable") == 1 and err.count("is back after") == 1
+        server.kill()
+        gone = connect(url, check=False, outage_seconds=1)  # no healing: past outage_seconds the error surfaces
+        try:
+            gone.get("k")
+        except redis.ConnectionError:
+            pass
+        else:
+            raise AssertionError("a Redis down for longer than outage_seconds must raise")
+    finally:
+        server.stop()

@@ -37,7 +37,7 @@ def write_config(tmp_path, redis_url, model, **extra) -> Path:
     for key, value in values.items():
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = value
-    lines = ['run = "up"', "[redis]", f'url = "{redis_url}"', "[store]", f'path = "{tmp_path / "store"}"', "[model]", f'path = "{model}"']
+    lines = ['run = "up"', "[redis]", f'url = "{redis_url}"', *[f"{k} = {json.dumps(v)}" for k, v in sections.get("redis", {}).items()], "[store]", f'path = "{tmp_path / "store"}"', "[model]", f'path = "{model}"']
     for section, items in sections.items():
         if section in ("redis", "store", "model"):
             continue
@@ -186,3 +186,80 @@ def test_children_keep_the_users_pythonpath():
     env = child_environment({"PYTHONPATH": os.pathsep.join(["/opt/site-a", "/opt/site-b"]), "HOME": "/root"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/opt/site-a", "/opt/site-b"] and env["HOME"] == "/root"
     assert child_environment({})["PYTHONPATH"] == str(ROOT)
+
+
+def test_up_rides_through_a_killed_embedded_redis(tmp_path, tiny_qwen35):
+    """The embedded redis-server SIGKILLed mid-run (two CPU workers and the trainer busy): every command of the run
+    rides the outage through, the server is started again from its AOF on its old port, and the run finishes with
+    every admitted chunk trained exactly once."""
+    from ops.redis_server import EmbeddedRedis
+    from producers.sample_data import write_sample_data
+
+    write_sample_data(tmp_path / "data.jsonl", n=160)
+    config = write_config(tmp_path, "", tiny_qwen35, **{"redis.outage_seconds": 120})
+    server = EmbeddedRedis(str(tmp_path / "store" / "up"))
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "2", "--no-live"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (server.url() and redis.Redis.from_url(server.url()).xlen(Keys("up").results) >= 3):
+            assert time.monotonic() < deadline and up.poll() is None, "no blob announced"
+            time.sleep(0.2)
+        port = server.url()
+        server.kill()
+        out, err = up.communicate(timeout=900)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    conn = redis.Redis.from_url(server.url())
+    try:
+        assert up.returncode == 0, (out[-3000:], err[-3000:])
+        assert server.url() == port  # restarted on its old port, so every client reconnected
+        keys = Keys("up")
+        chunks = [f[b"chunk"].decode() for _, f in conn.xrange(keys.results)]
+        assert len(chunks) == len(set(chunks)) == conn.scard(keys.admitted(0)) > 4
+        assert conn.scard(keys.inflight) == 0 and conn.xpending(keys.results, TRAINER_GROUP)["pending"] == 0
+        assert FailedJobRegistry(queue=Queue(keys.shared_queue, connection=conn)).count == 0
+        state = json.loads(next(Path(tmp_path / "store" / "up" / "checkpoints").glob("step-*/state.json")).read_text())
+        assert sorted(state["train_state"]["consumed"]["0"]) == sorted(chunks)  # each chunk trained once
+        logs = "".join(p.read_text() for p in (tmp_path / "store" / "up" / "logs").glob("*.log"))
+        assert "is unreachable" in logs and "is back after" in logs
+    finally:
+        server.stop()
+
+
+def test_up_gives_up_past_outage_seconds_and_a_rerun_finishes_the_run(tmp_path, redis_server, redis_url, tiny_qwen35):
+    """A Redis of the user's own (no healing) stopped for longer than redis.outage_seconds: `up` ends with the one
+    sentence (exit 2); once Redis is back, running `up` again finishes the run with every chunk trained exactly
+    once and nothing in the failed registry (no `requeue --failed`)."""
+    from producers.sample_data import write_sample_data
+
+    write_sample_data(tmp_path / "data.jsonl", n=160)
+    config = write_config(tmp_path, redis_url, tiny_qwen35, **{"redis.outage_seconds": 3})
+    conn, keys = redis.Redis.from_url(redis_url), Keys("up")
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "2", "--no-live"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while conn.xlen(keys.results) < 3:
+            assert time.monotonic() < deadline and up.poll() is None, "no blob announced"
+            time.sleep(0.2)
+        redis_server.kill()  # and it stays down: nothing heals a Redis of the user's own
+        out, err = up.communicate(timeout=300)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 2, (out[-2000:], err[-2000:])
+    assert "for longer than redis.outage_seconds" in err and "Traceback" not in err
+    status = cli("status", "--config", str(config), timeout=60)  # says what is going on, at once
+    assert status.returncode == 2 and "is unreachable since" in " ".join(status.stdout.split()), status.stdout + status.stderr
+    redis_server.ensure()  # back, from its AOF
+    again = cli("up", "--config", str(config), "--workers", "2", "--no-live", timeout=900)
+    assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-3000:])
+    conn = redis.Redis.from_url(redis_url)
+    chunks = [f[b"chunk"].decode() for _, f in conn.xrange(keys.results)]
+    assert len(chunks) == len(set(chunks)) == conn.scard(keys.admitted(0)) > 4
+    assert conn.scard(keys.inflight) == 0 and conn.xpending(keys.results, TRAINER_GROUP)["pending"] == 0
+    assert FailedJobRegistry(queue=Queue(keys.shared_queue, connection=conn)).count == 0
+    state = json.loads(next(Path(tmp_path / "store" / "up" / "checkpoints").glob("step-*/state.json")).read_text())
+    assert sorted(state["train_state"]["consumed"]["0"]) == sorted(chunks)

@@ -254,3 +254,35 @@ def test_sigterm_finishes_the_current_chunk_then_exits(tmp_path, redis_url, tiny
     assert held in done and len(done) < report.admitted  # finished its chunk, took no new one
     assert int(conn.get(run.keys.requeued) or 0) == 0
     assert conn.hexists(f"rq:worker:{name}", "death") or not conn.exists(f"rq:worker:{name}")
+
+
+def test_a_chunk_rq_cleaned_up_as_abandoned_is_requeued_not_failed(tmp_path, redis_url, tiny_qwen35):
+    """Whoever cleans RQ's started registry first: here RQ's own cleanup (StartedJobRegistry.cleanup, as any RQ
+    worker runs it) moves a killed worker's chunk to the failed registry as abandoned before our recovery ran; the
+    next worker takes it back out and re-queues it at the front, and every chunk is extracted exactly once."""
+    from rq.registry import StartedJobRegistry
+
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"data.chunk_tokens": 4096, "data.max_length": 2048})
+    run, report = admit_sample_data(settings, 120)
+    conn = run.conn
+    victim_key = f"rq:worker:{HOST}.cpu0"
+    victim = subprocess.Popen(worker_cmd(settings, 0, burst=False), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not conn.hget(victim_key, "current_job"):
+        assert time.monotonic() < deadline and victim.poll() is None, "worker 0 never started a chunk"
+        time.sleep(0.02)
+    held = conn.hget(victim_key, "current_job").decode()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    shared = Queue(run.keys.shared_queue, connection=conn, serializer=JSONSerializer)
+    failed = FailedJobRegistry(queue=shared)
+    deadline = time.monotonic() + 60
+    while held not in failed.get_job_ids():  # once the execution's heartbeat lapses, RQ calls it abandoned
+        assert time.monotonic() < deadline, "RQ never moved the killed worker's chunk to the failed registry"
+        StartedJobRegistry(queue=shared).cleanup()
+        time.sleep(0.5)
+    assert "AbandonedJobError" in (Job.fetch(held, connection=conn, serializer=JSONSerializer).latest_result().exc_string or "")
+    survivor = subprocess.run(worker_cmd(settings, 1, burst=True), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    assert held in stream_chunks(conn, run.keys) and int(conn.get(run.keys.requeued) or 0) >= 1
+    assert_exactly_once(run, report)

@@ -3,7 +3,9 @@
 A worker holds a chunk in two ways: as RQ's started job (forward running), and, after the job returned, as an
 unannounced chunk whose blob is still being compressed and written in its writer threads. A worker is dead when
 its RQ key has expired (no heartbeat for `worker_ttl` seconds), or, for a restart on the same host, at once when
-its recorded pid no longer runs. RQ alone would move an abandoned job to the failed registry; we get there first.
+its recorded pid no longer runs. RQ alone would move an abandoned job to the failed registry; we usually get there
+first, and where RQ's own registry cleanup got there first (after a Redis outage every worker's heartbeats lapse at
+once), the chunk is taken back out of the failed registry and re-queued at the front just the same.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import redis
 from rq import Queue, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
+from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import current_timestamp
 from rq.worker_registration import unregister
@@ -131,4 +133,31 @@ def recover(conn: redis.Redis, keys: Keys, queues: list[Queue]) -> list[str]:
     requeued = []
     for name in sorted(holders):
         requeued += release_worker(conn, keys, name, queues)
-    return requeued
+    return requeued + reclaim_abandoned(conn, keys, queues)
+
+
+ABANDONED = "due to AbandonedJobError"  # what RQ's StartedJobRegistry.cleanup writes into a job it moves to failed
+
+
+def reclaim_abandoned(conn: redis.Redis, keys: Keys, queues: list[Queue]) -> list[str]:
+    """Chunks that RQ's registry cleanup moved to the failed registry as abandoned (their worker died, or lost
+    Redis): a dead worker is never a chunk's fault, so each goes back to the front of its queue. Chunks that
+    failed for a reason of their own stay failed."""
+    reclaimed = []
+    for queue in queues:
+        failed = FailedJobRegistry(queue=queue)
+        for job_id in failed.get_job_ids():
+            try:
+                job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+            except NoSuchJobError:
+                continue
+            result = job.latest_result()
+            reason = (result.exc_string if result is not None else None) or job.exc_info or ""
+            if ABANDONED not in reason or conn.sismember(keys.finished, job_id):
+                continue
+            if conn.zrem(failed.key, job_id):  # one of several recovering workers takes it
+                requeue_front(conn, job)
+                reclaimed.append(job_id)
+    if reclaimed:
+        conn.incrby(keys.requeued, len(reclaimed))
+    return reclaimed

@@ -26,6 +26,14 @@ def status(settings, as_json, watch):
 
     from rich.live import Live
 
+    settings.redis.url = redis_server.resolve_url(settings)  # an embedded Redis that died is started again here
+    outage = status_module.OutageWatch(settings.redis.url, settings.redis.outage_seconds)
+    if not watch and outage.down():  # a Redis of the user's own is down: say so at once, not after retrying
+        if as_json:
+            click.echo(json.dumps({"run": settings.run, "redis": {"reachable": False, "url": redact(settings.redis.url)}}))
+        else:
+            console.print(outage.render())
+        sys.exit(2)
     run = open_run(settings, join=False)
     if as_json:
         click.echo(json.dumps(status_module.collect(run), indent=2))
@@ -36,7 +44,8 @@ def status(settings, as_json, watch):
     with Live(console=console, refresh_per_second=1) as live:
         try:
             while True:
-                live.update(status_module.render(status_module.collect(run), redact(settings.redis.url)))
+                view = outage.render() if outage.down() else status_module.render(status_module.collect(run), redact(settings.redis.url))
+                live.update(view)
                 time.sleep(2)
         except KeyboardInterrupt:
             pass

@@ -26,7 +26,8 @@ class Cli(click.Group):
             click.echo(f"dflashq: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except redis.ConnectionError as exc:
-            click.echo(f"dflashq: lost the connection to Redis ({exc}): check that it is running, then run the command again.", err=True)
+            click.echo(f"dflashq: lost the connection to Redis for longer than redis.outage_seconds ({exc}): check that "
+                       "it is running, then run the command again.", err=True)
             ctx.exit(2)
 
 
@@ -57,5 +58,5 @@ def run_options(func):
 
 def open_run(settings, **kwargs) -> Run:
     settings.redis.url = redis_server.resolve_url(settings)
-    return Run.open(settings, **kwargs)
+    return Run.open(settings, heal=redis_server.healer(settings), **kwargs)
 
