@@ -89,7 +89,9 @@ def _parsed_calls(value) -> list[dict] | None:
 
 
 def _from_pair(data: dict) -> list[dict]:
-    response = data.get("response", data.get("completion"))
+    # a table mixing both columns holds None in the one a row does not use
+    response = data.get("response")
+    response = data.get("completion") if response is None else response
     if response is None:
         raise RejectedSample("prompt without response or completion")
     system = data.get("system")

@@ -136,3 +136,15 @@ def test_data_fingerprint(tmp_path):
     assert data_fingerprint(paths) != first
     with pytest.raises(InputError, match="gone.jsonl"):
         data_fingerprint([str(tmp_path / "gone.jsonl")])
+
+
+def test_parquet_rows_mixing_response_and_completion_columns(tmp_path):
+    """A table with both columns holds None in the one a row does not use: either column is the answer."""
+    from producers.conversation import normalize
+
+    rows = [{"prompt": "a?", "response": "yes", "completion": None}, {"prompt": "b?", "response": None, "completion": "no"}]
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    answers = [normalize(r.data).messages[-1]["content"] for r in iter_records(str(path))]
+    assert answers == ["yes", "no"]
+
