@@ -50,6 +50,7 @@ REGENERATE_CONCURRENCY = 64  # endpoint engine: requests in flight
 REGENERATE_TIMEOUT_SECONDS = 600.0  # endpoint engine: one request, a whole non-streamed response
 REGENERATE_RETRIES = 5  # endpoint engine: after connection errors, timeouts, 5xx, 429 and malformed bodies
 REGENERATE_BATCH_TOKENS = 65536  # transformers engine: rows x (longest prompt + max_new_tokens) per generate call
+REGENERATE_API_KEY = ""  # endpoint engine: sent as `Authorization: Bearer <key>` (vLLM/SGLang --api-key); better in the environment
 REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists
 
 # dashboard

@@ -109,6 +109,7 @@ class RegenerateSettings:
     retries: int = defaults.REGENERATE_RETRIES
     batch_tokens: int = defaults.REGENERATE_BATCH_TOKENS
     served_model: str = defaults.REGENERATE_SERVED_MODEL
+    api_key: str = defaults.REGENERATE_API_KEY
 
 
 SECTIONS: dict[str, type] = {

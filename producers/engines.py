@@ -163,7 +163,8 @@ class EndpointEngine:
         self.options = options
         self.batch_size = BATCHES_PER_CALL * options.concurrency
         limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency)
-        self._client = httpx.Client(base_url=self.url, timeout=options.timeout_seconds, limits=limits)
+        headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else None
+        self._client = httpx.Client(base_url=self.url, timeout=options.timeout_seconds, limits=limits, headers=headers)
         self._pool = concurrent.futures.ThreadPoolExecutor(options.concurrency, thread_name_prefix="dflashq-endpoint")
         self._unreachable = threading.Event()  # set by the first request that cannot connect: the others stop retrying
         try:

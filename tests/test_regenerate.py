@@ -218,6 +218,7 @@ class ChatServer(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.attempts: collections.Counter = collections.Counter()  # per exact request body
         self.bodies: list[dict] = []
+        self.authorizations: list[str | None] = []
         self.clients: set = set()  # (host, port) of each connection: a kept client reuses them
         self.models_requests = 0
         self.in_flight = self.max_in_flight = 0
@@ -263,6 +264,7 @@ class ChatHandler(BaseHTTPRequestHandler):
             server.attempts[key] += 1
             first = server.attempts[key] == 1
             server.bodies.append(body)
+            server.authorizations.append(self.headers.get("Authorization"))
             server.clients.add(self.client_address)
         try:
             self.answer(server, body, key, first)
@@ -345,13 +347,14 @@ def test_endpoint_retries_until_complete_and_records_what_keeps_failing(tmp_path
 def test_settings_reach_the_endpoint(tmp_path, chat_server):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(chat("Hello", "old")) + "\n")
-    env = dict(os.environ, DFLASHQ_REGENERATE_SERVED_MODEL="tiny")
+    env = dict(os.environ, DFLASHQ_REGENERATE_SERVED_MODEL="tiny", DFLASHQ_REGENERATE_API_KEY="s3cret")
     proc = cli(data, "--out", tmp_path / "o.jsonl", "--endpoint", chat_server.url, "--no-progress", "--concurrency", 2,
                "--set", "regenerate.max_new_tokens=3", "--set", "regenerate.enable_thinking=false", env=env)
     assert proc.returncode == 0, proc.stderr
     (body,) = chat_server.bodies
     assert (body["max_tokens"], body["temperature"], body["chat_template_kwargs"]) == (3, 0.0, {"enable_thinking": False})
     assert chat_server.models_requests == 0  # the served model came from the environment
+    assert chat_server.authorizations == ["Bearer s3cret"]  # a server started with --api-key lets it in
     assert table_value(proc.stdout, "regenerated") == "1"
 
 
