@@ -141,12 +141,10 @@ def phase_up(work: Path, args, settings) -> dict:
     done = subprocess.run(cmd, cwd=ROOT)  # `-m ops.cli` from the checkout: it is on the path, and so is the user's PYTHONPATH
     if done.returncode != 0:
         sys.exit(f"dflashq up exited with {done.returncode}; see {work / 'runs' / 'quality' / 'logs'} and run again")
-    from dflashq.run import Run
-    from ops.redis_server import resolve_url
+    from ops.redis_server import open_run
     from ops.report import write_report
 
-    settings.redis.url = resolve_url(settings)
-    run = Run.open(settings, join=False)
+    run = open_run(settings, join=False)
     curve = write_report(run, str(work / "training.png"))
     log = [json.loads(line) for line in Path(run.store.path(settings.train.log_file)).read_text().splitlines()]
     steps = [r for r in log if "step" in r and "loss" in r]

@@ -14,7 +14,6 @@ from rich.console import Console
 
 from dflashq import settings as settings_module
 from dflashq.exceptions import DflashqError
-from dflashq.run import Run
 from ops import redis_server, status
 from ops.supervisor import Supervisor
 from producers.engines import TransformersEngine
@@ -98,7 +97,7 @@ def _run(settings, root: Path, workers: int) -> dict:
     console.print(f"    {regenerated.regenerated} conversations regenerated, {regenerated.already_done} already done")
     console.print(f"2/4 up: producer, {workers} CPU workers and the trainer ({settings.train.epochs} epochs), "
                   f"Redis at {settings.redis.url}")
-    run = Run.open(settings, heal=redis_server.healer(settings))
+    run = redis_server.open_run(settings)
     supervisor = Supervisor(run, [("cpu", i) for i in range(workers)], "cpu", Path(run.store.path("logs")), console)
     if not supervisor.run_until_done():
         raise DflashqError("The demo was stopped before training finished; run `dflashq demo` again to resume it.")

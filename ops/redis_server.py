@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from dflashq.exceptions import ConfigError, RedisUnavailable
+from dflashq.run import Run
 from workers.recovery import pid_running
 
 START_TIMEOUT_S = 10.0
@@ -166,3 +167,10 @@ def healer(settings):
 def resolve_url(settings) -> str:
     """The run's Redis URL: the configured one, or the embedded server's (started if needed)."""
     return settings.redis.url or EmbeddedRedis(settings.run_dir).ensure()
+
+
+def open_run(settings, **kwargs) -> Run:
+    """The run as an ops command opens it: its Redis resolved (the embedded one started if needed) and, if embedded,
+    healed from its AOF whenever it dies. `kwargs` go to Run.open."""
+    settings.redis.url = resolve_url(settings)
+    return Run.open(settings, heal=healer(settings), **kwargs)

@@ -7,7 +7,8 @@ import contextlib
 import click
 from rich.table import Table
 
-from ops.cli.options import console, open_run, run_options
+from ops.cli.options import console, run_options
+from ops.redis_server import open_run
 
 
 # --- regenerate ---------------------------------------------------------------------------------------------

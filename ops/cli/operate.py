@@ -13,7 +13,8 @@ from rich.table import Table
 from dflashq import defaults
 from dflashq.connection import redact
 from ops import redis_server, status as status_module
-from ops.cli.options import Cli, console, open_run, run_options
+from ops.cli.options import Cli, console, run_options
+from ops.redis_server import open_run
 
 # --- status -------------------------------------------------------------------------------------------------
 @click.command()

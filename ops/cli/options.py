@@ -1,4 +1,5 @@
-"""What every command shares: the error rule (one sentence, never a traceback), the run options, the console."""
+"""What every command shares: the error rule (one sentence, never a traceback), the run options, the console
+(commands open their run with ops.redis_server.open_run)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from rich.console import Console
 
 from dflashq import settings as settings_module
 from dflashq.exceptions import DflashqError
-from dflashq.run import Run
-from ops import redis_server
 
 console = Console()
 
@@ -55,8 +54,4 @@ def run_options(func):
 
     return wrapper
 
-
-def open_run(settings, **kwargs) -> Run:
-    settings.redis.url = redis_server.resolve_url(settings)
-    return Run.open(settings, heal=redis_server.healer(settings), **kwargs)
 

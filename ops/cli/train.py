@@ -9,7 +9,8 @@ import click
 from rich.table import Table
 
 from dflashq.exceptions import DflashqError
-from ops.cli.options import console, open_run, run_options
+from ops.cli.options import console, run_options
+from ops.redis_server import open_run
 
 # --- trainer ------------------------------------------------------------------------------------------------
 @click.command()
