@@ -7,8 +7,11 @@ a reader never sees half a blob.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -88,3 +91,27 @@ class Store:
         if self.remote:
             return sorted(self.fs.ls(where, detail=False)) if self.fs.exists(where) else []
         return sorted(os.path.join(where, n) for n in os.listdir(where)) if os.path.isdir(where) else []
+
+
+@contextlib.contextmanager
+def new_folder(out_dir: Path) -> Iterator[Path]:
+    """A temporary folder beside the local `out_dir` to write into: on success its files are fsynced and it is
+    renamed to `out_dir` (the rename made durable too), on any failure removed; never a half-written folder."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for path in tmp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    directory = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+

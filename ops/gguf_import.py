@@ -9,15 +9,13 @@ such as `<think>`), and a target's tokenizer must not depend on the Transformers
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflashq.exceptions import InputError
+from dflashq.store import new_folder
 
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture; the same name is the HF model_type
@@ -76,28 +74,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tru
     config = _config(meta, arch, reader, gguf_path)
     tokenizer = _tokenizer(meta, gguf_path, config.max_position_embeddings)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-import-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    with new_folder(out_dir) as tmp:
         _write_weights(reader, names, config, tmp / WEIGHTS_FILE, gguf_path, progress)
         config.save_pretrained(tmp)
         generation = _generation_config(config)
         if generation is not None:
             generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    directory = os.open(out_dir.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
     return out_dir
 
 

@@ -8,8 +8,6 @@ layer t); the safetensors metadata says so too, since config.json has no field f
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from dflashq import defaults
 from dflashq.exceptions import ConfigError, InputError
 from dflashq.layer_ids import CONVENTION
+from dflashq.store import new_folder
 from trainer.checkpoint import load_drafter
 from trainer.drafter import DFlashDrafter, DrafterConfig
 
@@ -64,16 +63,10 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise InputError(f"export folder {out_dir} already exists; choose a new folder or delete the old export.")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-export-{uuid.uuid4().hex}"
-    tmp.mkdir()
     tensors = {name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in drafter.state_dict().items()}
-    save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "target_layer_ids_convention": CONVENTION})
-    (tmp / CONFIG_FILE).write_text(json.dumps(export_config(drafter.config), indent=2) + "\n")
-    for name in (WEIGHTS_FILE, CONFIG_FILE):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, out_dir)
+    with new_folder(out_dir) as tmp:
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "target_layer_ids_convention": CONVENTION})
+        (tmp / CONFIG_FILE).write_text(json.dumps(export_config(drafter.config), indent=2) + "\n")
     return out_dir
 
 
