@@ -176,8 +176,8 @@ class OutageWatch:
 
         from dflashq.connection import redact
 
-        since = time.strftime("%H:%M:%S", time.localtime(self.since or time.time()))
-        return Text(f"Redis at {redact(self.url)} is unreachable since {since} "
-                    f"({time.time() - (self.since or time.time()):.0f} s): the run's commands keep retrying for up to "
+        since = self.since or time.time()
+        return Text(f"Redis at {redact(self.url)} is unreachable since {time.strftime('%H:%M:%S', time.localtime(since))} "
+                    f"({time.time() - since:.0f} s): the run's commands keep retrying for up to "
                     f"{self.outage_seconds:.0f} s (redis.outage_seconds), then stop with one sentence.", style="bold yellow")
 

@@ -3,7 +3,8 @@
 A child that crashes is started again with exponential backoff; a worker's chunks are re-queued (front) the moment
 it is seen dead, before the restart. A worker that exits asking for a restart (`dflashq restart-worker`) starts
 again at once. A child that exits twice in a row with a configuration or input error (exit 2: restarting cannot
-mend it) stops the run, and `up` ends with that child's sentence. Ctrl-C or SIGTERM stops everything gracefully: workers finish their chunk, the trainer checkpoints.
+mend it) stops the run, and `up` ends with that child's sentence. Ctrl-C or SIGTERM stops everything gracefully:
+workers finish their chunk, the trainer checkpoints.
 When the trainer has done its epochs, the workers and producer are stopped, the drafter is exported, and a summary
 is printed.
 """

@@ -49,7 +49,8 @@ def accept_length(proposals: list[int], target_greedy: list[int]) -> int:
 
 
 def _done(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
-    return len(tokens) >= max_new_tokens or any(t in eos_ids for t in tokens)
+    # both loops stop at the first EOS, so an EOS can only be the last token
+    return len(tokens) >= max_new_tokens or tokens[-1] in eos_ids
 
 
 @functools.cache
