@@ -153,47 +153,96 @@ def phase_up(work: Path, args, settings) -> dict:
             "final_train_eal": steps[-1]["eal"] if steps else None, "final_loss": steps[-1]["loss"] if steps else None}
 
 
-def phase_eval(work: Path, args, settings) -> dict:
-    from trainer import checkpoint
-    from trainer.evaluate import evaluate_prompts
+def eval_prompt_sets(args) -> dict[str, list[str]]:
+    return {"mt_bench": mtbench_first_turns()[: args.eval_prompts], "humaneval": humaneval_prompts()[: args.eval_prompts]}
 
-    run_dir = work / "runs" / "quality"
-    drafter = run_dir / f"drafter-{checkpoint.latest(run_dir / 'checkpoints').name}"
+
+def phase_eval(work: Path, args, settings) -> dict:
+    """Both loops on every prompt, in `--eval-processes` processes sharing the device: at batch size 1 a small target
+    leaves the GPU mostly idle between kernel launches, so shards overlap. Prompt i goes to shard i % processes."""
+    shards = work / "eval"
+    shards.mkdir(exist_ok=True)
+    argv = [a for a in sys.argv[1:] if not a.startswith("--eval-shard")]
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--eval-shard", str(i)], cwd=ROOT)
+             for i in range(args.eval_processes)]
+    failed = [i for i, proc in enumerate(procs) if proc.wait() != 0]
+    if failed:
+        sys.exit(f"eval shards {failed} failed; run again (finished shards are kept in {shards})")
+    parts = [json.loads((shards / f"shard-{i}.json").read_text()) for i in range(args.eval_processes)]
     results = {}
-    for name, prompts in (("mt_bench", mtbench_first_turns()), ("humaneval", humaneval_prompts())):
-        prompts = prompts[: args.eval_prompts]
-        started = time.perf_counter()
-        ours = evaluate_prompts(settings.model.path, drafter, prompts, args.eval_tokens, args.device)
-        reference = reference_taus(settings.model.path, drafter, prompts, args.eval_tokens, args.device)
-        results[name] = {"prompts": len(prompts), "dflashq_tau": round(ours["mean_tau"], 3),
-                         "reference_tau": round(sum(reference) / len(reference), 3), "lossless": ours["lossless"],
-                         "per_prompt_equal": sum(abs(p["tau"] - r) < 1e-9 for p, r in zip(ours["prompts"], reference)),
-                         "seconds": round(time.perf_counter() - started, 1)}
+    for name, prompts in eval_prompt_sets(args).items():
+        rows = [parts[i % len(parts)][name]["rows"][i // len(parts)] for i in range(len(prompts))]  # prompt order again
+        ours = [r["dflashq"] for r in rows]
+        checked = [o["lossless"] for o in ours if o["lossless"] is not None]
+        results[name] = {
+            "prompts": len(rows), "max_new_tokens": args.eval_tokens,
+            "dflashq_tau": round(sum(o["tau"] for o in ours) / len(ours), 3),
+            "reference_tau": round(sum(r["reference_tau"] for r in rows) / len(rows), 3),
+            "per_prompt_tau_equal": sum(abs(o["tau"] - r["reference_tau"]) < 1e-9 for o, r in zip(ours, rows)),
+            "per_prompt_text_equal": sum(o["text"] == r["reference_text"] for o, r in zip(ours, rows)),
+            "lossless_checked": len(checked), "lossless": sum(checked),
+            "new_tokens": sum(o["new_tokens"] for o in ours),
+            # summed over the shards, which ran at the same time
+            "dflashq_process_seconds": round(sum(p[name]["dflashq_seconds"] for p in parts), 1),
+            "reference_process_seconds": round(sum(p[name]["reference_seconds"] for p in parts), 1),
+        }
     return results
 
 
-def reference_taus(model_path: str, drafter_dir: Path, prompts: list[str], max_new_tokens: int, device: str) -> list[float]:
-    """Per-prompt tau from the reference package's own loop (mean of its acceptance_lengths)."""
+def eval_shard(work: Path, args, settings) -> None:
+    """One shard of phase_eval: dflashq eval (greedy lossless check on the shard's share of the first
+    --lossless-prompts prompts) and the reference loop on prompts shard, shard + processes, ..."""
+    from trainer import checkpoint
+    from trainer.evaluate import evaluate_prompts
+
+    shard, count = args.eval_shard, args.eval_processes
+    out = work / "eval" / f"shard-{shard}.json"
+    if out.exists():
+        return
+    drafter = work / "runs" / "quality" / f"drafter-{checkpoint.latest(work / 'runs' / 'quality' / 'checkpoints').name}"
+    result = {}
+    for name, prompts in eval_prompt_sets(args).items():
+        mine = prompts[shard::count]  # global index shard + j * count, so the checked ones come first
+        checked = len(range(shard, min(args.lossless_prompts, len(prompts)), count))
+        started = time.perf_counter()
+        ours = evaluate_prompts(settings.model.path, drafter, mine, args.eval_tokens, args.device, checked)["prompts"]
+        middle = time.perf_counter()
+        reference = [reference_generate(settings.model.path, drafter, prompt, args.eval_tokens, args.device)
+                     for prompt in mine]
+        result[name] = {"rows": [{"dflashq": o, "reference_tau": tau, "reference_text": text}
+                                 for o, (tau, text) in zip(ours, reference)],
+                        "dflashq_seconds": middle - started, "reference_seconds": time.perf_counter() - middle}
+        print(f"eval shard {shard}: {name} done, {len(mine)} prompts", file=sys.stderr, flush=True)
+    out.write_text(json.dumps(result))
+
+
+_LOADED: dict = {}
+
+
+def reference_generate(model_path: str, drafter_dir: Path, prompt: str, max_new_tokens: int, device: str
+                       ) -> tuple[float, str]:
+    """The reference package's own loop on one prompt: tau (mean of its acceptance_lengths) and the decoded text."""
     from dflash import model as reference
     from transformers import AutoTokenizer
 
     from dflashq.target import eos_ids, load_target
 
-    if not torch.cuda.is_available():
-        reference._cuda_time = time.perf_counter  # it times with CUDA events
-    target = load_target(model_path, device)
-    dtype = next(target.parameters()).dtype
-    draft = reference.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    stop = sorted(eos_ids(target, tokenizer))
-    taus = []
-    for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]
-        stats = reference.dflash_generate(draft, target, torch.tensor([ids], device=device), max_new_tokens, stop,
-                                          return_stats=True)
-        taus.append(sum(stats.acceptance_lengths) / max(1, len(stats.acceptance_lengths)))
-    return taus
+    if not _LOADED:
+        if not torch.cuda.is_available():
+            reference._cuda_time = time.perf_counter  # it times with CUDA events
+        target = load_target(model_path, device)
+        dtype = next(target.parameters()).dtype
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        _LOADED.update(target=target, tokenizer=tokenizer, stop=sorted(eos_ids(target, tokenizer)),
+                       draft=reference.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=dtype).to(device).eval())
+    target, tokenizer, draft = _LOADED["target"], _LOADED["tokenizer"], _LOADED["draft"]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        stats = reference.dflash_generate(draft, target, torch.tensor([ids], device=device), max_new_tokens,
+                                          _LOADED["stop"], return_stats=True)
+    tau = sum(stats.acceptance_lengths) / max(1, len(stats.acceptance_lengths))
+    return tau, tokenizer.decode(stats.output_ids[0, len(ids):].tolist())
 
 
 def main() -> None:
@@ -214,17 +263,26 @@ def main() -> None:
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
+    parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [4 on a GPU, else 1]")
+    parser.add_argument("--lossless-prompts", type=int, default=16,
+                        help="prompts of each benchmark also checked against plain greedy decoding")
+    parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
     args = parser.parse_args()
     if args.tiny:
         args.conversations, args.response_tokens, args.max_length, args.chunk_tokens = 24, 8, 256, 512
         args.epochs, args.drafter_layers, args.block_size, args.anchors = 2, 1, 4, 8
         args.eval_prompts, args.eval_tokens, args.learning_rate = 2, 8, 3e-3
+        args.eval_processes = args.eval_processes or 2  # the sharding checked too
     args.device = "cuda:0" if torch.cuda.is_available() and not args.tiny else "cpu"
+    if args.eval_processes is None:
+        args.eval_processes = 4 if args.device != "cpu" else 1
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     state_file = work / "state.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     settings = settings_module.load(write_config(work, args))
+    if args.eval_shard is not None:
+        return eval_shard(work, args, settings)
     for phase in PHASES:
         if phase in state:
             print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)

@@ -53,8 +53,10 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     assert report["up"]["steps"] > 0 and report["up"]["tokens_extracted"] > 0 and Path(report["up"]["curve"]).is_file()
     for name in ("mt_bench", "humaneval"):
         result = report["eval"][name]
-        # dflashq eval and the reference dflash loop report the same tau on every prompt (a Llama target: croppable)
-        assert result["prompts"] == 2 and result["lossless"] and result["per_prompt_equal"] == 2
+        # dflashq eval and the reference dflash loop report the same tau and text on every prompt (in 2 shards; a
+        # Llama target: croppable), and both prompts equal plain greedy decoding
+        assert result["prompts"] == 2 and result["lossless_checked"] == result["lossless"] == 2
+        assert result["per_prompt_tau_equal"] == result["per_prompt_text_equal"] == 2
         assert result["dflashq_tau"] == result["reference_tau"] >= 1.0
     again, log = bench("quality.py", "--tiny", "--work", work)
     assert all(f"{phase}: done earlier" in log for phase in ("model", "prompts", "regenerate", "up", "eval"))

@@ -111,7 +111,11 @@ def test_evaluate_prompts_reports_tau_and_lossless(qwen35, tiny_qwen35, tmp_path
     for entry in report["prompts"]:
         assert entry["lossless"] and entry["first_mismatch"] is None
         assert entry["new_tokens"] == 8 and entry["tau"] >= 1.0
-    assert report["mean_tau"] == sum(e["tau"] for e in report["prompts"]) / 2
+    assert report["mean_tau"] == sum(e["tau"] for e in report["prompts"]) / 2 and report["lossless_checked"] == 2
+    # the greedy reference only for the first prompt: the same drafts, the second left unchecked
+    partial = evaluate_prompts(tiny_qwen35, exported, prompts, max_new_tokens=8, device="cpu", lossless_prompts=1)
+    assert [e["lossless"] for e in partial["prompts"]] == [True, None] and partial["lossless_checked"] == 1
+    assert [e["text"] for e in partial["prompts"]] == [e["text"] for e in report["prompts"]]
 
 
 def test_read_prompts_rejects_bad_lines(tmp_path):

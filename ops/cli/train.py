@@ -63,8 +63,11 @@ def export(checkpoint, out):
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--num-anchors", default=512, show_default=True, help="Anchors per sample with --blobs.")
 @click.option("--device", default="cpu", show_default=True)
+@click.option("--check-lossless", "lossless_prompts", type=int, default=None,
+              help="Compare only the first N prompts with plain greedy decoding (it costs a forward per token). [all]")
 @click.option("--json", "as_json", is_flag=True)
-def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_anchors, device, as_json):
+def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_anchors, device, lossless_prompts,
+             as_json):
     """Measure a drafter: real greedy speculative decoding on prompts (tau, lossless check), or EAL on blobs."""
     from dflashq.blob import decode_blob
     from dflashq.exceptions import InputError
@@ -75,11 +78,13 @@ def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_
     if bool(prompts_file) == bool(blob_paths):
         raise click.UsageError("Give either --data PROMPTS.jsonl or --blobs PATH...")
     if prompts_file:
-        report = evaluate_prompts(target, drafter_dir, read_prompts(prompts_file), max_new_tokens, device)
+        report = evaluate_prompts(target, drafter_dir, read_prompts(prompts_file), max_new_tokens, device,
+                                  lossless_prompts)
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:
-            table = Table(title=f"speculative decoding: mean tau {report['mean_tau']:.3f}, lossless {report['lossless']}")
+            table = Table(title=f"speculative decoding: mean tau {report['mean_tau']:.3f}, lossless {report['lossless']} "
+                                f"({report['lossless_checked']} of {len(report['prompts'])} prompts checked)")
             for col in ("prompt", "tau", "target passes", "new tokens", "lossless"):
                 table.add_column(col)
             for i, r in enumerate(report["prompts"]):
