@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=4000, help="ShareGPT conversations to regenerate")
     parser.add_argument("--response-tokens", type=int, default=512, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
-    parser.add_argument("--regenerate-batch-tokens", type=int, default=65536)
+    parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--chunk-tokens", type=int, default=16384)
     parser.add_argument("--epochs", type=int, default=2)

@@ -293,7 +293,7 @@ def _validate(settings: Settings) -> None:
         (settings.regenerate.concurrency >= 1, "regenerate.concurrency must be at least 1"),
         (settings.regenerate.timeout_seconds > 0, "regenerate.timeout_seconds must be more than 0"),
         (settings.regenerate.retries >= 0, "regenerate.retries must be 0 or more"),
-        (settings.regenerate.batch_tokens >= 1, "regenerate.batch_tokens must be at least 1"),
+        (settings.regenerate.batch_tokens >= 0, "regenerate.batch_tokens must be at least 1 (or 0: sized from the device)"),
     ]
     for ok, message in checks:
         if not ok:

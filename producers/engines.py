@@ -17,6 +17,7 @@ import httpx
 import jinja2
 import torch
 
+from dflashq import defaults
 from dflashq.exceptions import ConfigError, InputError
 from dflashq.settings import RegenerateSettings, Settings
 from dflashq.target import eos_ids, load_target
@@ -61,7 +62,8 @@ class Engine(Protocol):
 # --- Transformers, on a local device ----------------------------------------------------------------------
 class TransformersEngine:
     """The target from model.path on one device: length-sorted, left-padded batches through model.generate, each
-    bounded by regenerate.batch_tokens (rows x (longest prompt + max_new_tokens), i.e. its KV cache)."""
+    bounded by regenerate.batch_tokens (rows x (longest prompt + max_new_tokens), i.e. its KV cache; 0 sizes it
+    from the device's free memory) and regenerate's row cap. A batch that still runs out of memory is split."""
 
     def __init__(self, settings: Settings, device: str = "cpu"):
         self.options = settings.regenerate
@@ -75,8 +77,9 @@ class TransformersEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)  # padding is masked: any id does
         self.generation_config = self._generation_config()
-        rows = max(1, self.options.batch_tokens // self.options.max_new_tokens)  # as if prompts were empty
-        self.batch_size = BATCHES_PER_CALL * rows
+        self.batch_tokens = self.options.batch_tokens or auto_batch_tokens(self.model, self.device)
+        rows = max(1, min(defaults.REGENERATE_MAX_ROWS, self.batch_tokens // self.options.max_new_tokens))
+        self.batch_size = BATCHES_PER_CALL * rows  # as if prompts were empty
 
     def _generation_config(self):
         # The checkpoint's own config (eos ids, and top_p / top_k that sampling should keep) with ours on top.
@@ -115,7 +118,8 @@ class TransformersEngine:
         batch: list = []
         for item in prompts:
             longest = len(batch[0][1]) if batch else len(item[1])
-            if batch and (len(batch) + 1) * (longest + self.options.max_new_tokens) > self.options.batch_tokens:
+            if batch and (len(batch) == defaults.REGENERATE_MAX_ROWS
+                          or (len(batch) + 1) * (longest + self.options.max_new_tokens) > self.batch_tokens):
                 yield batch
                 batch = []
             batch.append(item)
@@ -134,8 +138,13 @@ class TransformersEngine:
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                       generation_config=self.generation_config)
         except torch.OutOfMemoryError:
-            raise ConfigError(f"The target ran out of GPU memory on {len(rows)} conversations of up to {width} tokens: "
-                              f"lower regenerate.batch_tokens (now {self.options.batch_tokens}).") from None
+            if len(rows) == 1:
+                raise ConfigError(f"The target ran out of GPU memory on one conversation of {width} tokens: lower "
+                                  f"regenerate.max_new_tokens or data.max_length, or use a larger GPU.") from None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(rows) // 2  # the longest rows come first: both halves are about as wide as the whole
+            return self._generate(rows[:half]) + self._generate(rows[half:])
         return [self._reply(tokens) for tokens in out[:, width:].tolist()]
 
     def _reply(self, tokens: list[int]) -> Reply:
@@ -144,6 +153,27 @@ class TransformersEngine:
         # skip_special_tokens drops the end-of-turn token, which the chat template adds back when rendering the turn
         content = self.tokenizer.decode(kept, skip_special_tokens=True)
         return Reply(content, tokens=len(kept), truncated=end is None)
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """K and V of one token in every layer that caches them: linear-attention layers keep a fixed-size state and are
+    not counted; sliding-window layers are, as an upper bound."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    layers = sum(t != "linear_attention" for t in layer_types) if layer_types else config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * max(1, layers) * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
+def auto_batch_tokens(model: torch.nn.Module, device: torch.device) -> int:
+    """regenerate.batch_tokens 0: the tokens whose KV cache fills regenerate's share of the GPU's free memory; on
+    the CPU a fixed budget."""
+    if device.type != "cuda":
+        return defaults.REGENERATE_CPU_BATCH_TOKENS
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, int(free * defaults.REGENERATE_MEMORY_FRACTION) // kv_bytes_per_token(model))
 
 
 # --- an OpenAI-compatible server --------------------------------------------------------------------------

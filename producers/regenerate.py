@@ -3,8 +3,9 @@
 Reads what the producer reads (records.py, conversation.py). Every input record gets a stable key (its `id`, else a
 hash of its content) and becomes at most one line of an append-only JSONL output in the `messages` format, with the
 key in `id` and the record's `file:line` in `source`. Assistant turns are made one at a time, each from the
-already-regenerated history before it; system, user and tool turns are kept. The records of each engine call are
-written, flushed and fsynced together, so a rerun skips every key already written; a torn last line (a crash
+already-regenerated history before it; system, user and tool turns are kept. Records are answered a turn per engine
+call from a pool refilled from the input, and those a call finishes are written, flushed and fsynced together (in
+the order they finish), so a rerun skips every key already written; a torn last line (a crash
 mid-write) is cut off and its record redone; a lock on the output keeps a second run off it. Rejected records go to `<out>.rejects.jsonl`, records the engine could
 not answer to `<out>.failed.jsonl` (`<out>` without .jsonl); both are rewritten by each run, whose rerun finds the
 rejects again and retries the failures. The input is only read.
@@ -17,6 +18,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -148,9 +150,8 @@ def regenerate(settings: Settings, inputs: list[str], out: str, engine: Engine, 
         def on_skip() -> None:
             bar.advance(task)
 
-        for batch in _batches(_pending(paths, done, report, on_reject, on_skip), engine.batch_size):
-            _regenerate_batch(batch, engine, report, on_tokens)
-            for item in batch:
+        def write(finished: list[_Pending]) -> None:
+            for item in finished:
                 if item.error is not None:
                     report.failed += 1
                     failed.write(json.dumps({"id": item.key, "source": item.source, "reason": item.error}) + "\n")
@@ -162,9 +163,12 @@ def regenerate(settings: Settings, inputs: list[str], out: str, engine: Engine, 
                 # ASCII escapes: a lone surrogate from the input cannot break the UTF-8 encoding of the line
                 output.write(json.dumps(line).encode() + b"\n")
             output.flush()
-            os.fsync(output.fileno())  # the batch's lines survive a crash of the machine, not just of this process
+            os.fsync(output.fileno())  # the call's lines survive a crash of the machine, not just of this process
             failed.flush()
-            bar.advance(task, len(batch))
+            bar.advance(task, len(finished))
+
+        for finished in _rounds(_pending(paths, done, report, on_reject, on_skip), engine, report, on_tokens):
+            write(finished)
     report.seconds = time.monotonic() - start
     return report
 
@@ -224,33 +228,31 @@ def _pending(paths: list[str], done: set[str], report: RegenerateReport, on_reje
             yield _Pending(key, record.source, sample)
 
 
-def _batches(items: Iterator[_Pending], size: int) -> Iterator[list[_Pending]]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _regenerate_batch(batch: list[_Pending], engine: Engine, report: RegenerateReport, on_tokens) -> None:
-    """Every assistant turn of the batch's records, one turn per round across the records that still have one."""
-    waiting = [item for item in batch if item.advance()]
-    while waiting:
-        replies = engine.respond([Conversation(item.messages, item.conversation.tools) for item in waiting])
+def _rounds(items: Iterator[_Pending], engine: Engine, report: RegenerateReport, on_tokens) -> Iterator[list[_Pending]]:
+    """Engine calls over a pool of records that each wait for their next assistant turn; yields after each call the
+    records it finished (every turn answered, or failed). The pool is refilled from the input before every call, so
+    a record at its tenth turn shares a call with records at their first: no call is spent on a few long chats, and
+    finished records are written as they finish rather than when the slowest of a fixed batch is done."""
+    pool: list[_Pending] = []
+    while True:
+        finished = []
+        for item in itertools.islice(items, max(0, engine.batch_size - len(pool))):
+            (pool if item.advance() else finished).append(item)  # a record with no assistant turn is written as is
+        if not pool:
+            if finished:
+                yield finished
+            return
+        replies = engine.respond([Conversation(item.messages, item.conversation.tools) for item in pool])
         on_tokens(sum(reply.tokens for reply in replies))
-        still = []
-        for item, reply in zip(waiting, replies):
+        waiting = []
+        for item, reply in zip(pool, replies):
             item.error = reply.error or _empty(reply)
-            if item.error is not None:
-                continue
-            report.truncated_turns += reply.truncated
-            item.answer(reply)
-            if item.advance():
-                still.append(item)
-        waiting = still
+            if item.error is None:
+                report.truncated_turns += reply.truncated
+                item.answer(reply)
+            (waiting if item.error is None and item.advance() else finished).append(item)
+        pool = waiting
+        yield finished
 
 
 def _empty(reply: Reply) -> str | None:

@@ -193,15 +193,76 @@ def test_left_padded_batches_equal_unbatched_greedy_for_every_input_format(tmp_p
     report = regenerate(settings, inputs, str(out), engine, progress=False)
     assert (report.records, report.regenerated, report.rejected, report.failed) == (6, 6, 0, 0)
     assert report.tokens == report.truncated_turns * MAX_NEW > 0  # the random target never ends a turn by itself
+    # lines come in the order records finish: single-turn ones after the first call, the two-turn chat after the second
     written = read_jsonl(out)
-    assert [w["source"] for w in written] == [f"{jsonl}:1", f"{jsonl}:2", f"{jsonl}:3", f"{inputs[1]}#0",
-                                              f"{inputs[2]}#0", f"{inputs[2]}#1"]
+    assert [w["source"] for w in written][-1] == f"{inputs[1]}#0"
+    order = [f"{jsonl}:1", f"{jsonl}:2", f"{jsonl}:3", f"{inputs[1]}#0", f"{inputs[2]}#0", f"{inputs[2]}#1"]
+    written.sort(key=lambda w: order.index(w["source"]))
+    assert [w["source"] for w in written] == order
     for line, record in zip(written, records + [sharegpt] + pairs):
         assert line["messages"] == target.regenerated(record)
         assert line["id"] == record_key(record)
     assert written[2]["tools"] == tools and written[2]["messages"][2] == {"role": "tool", "content": "sunny, 21 C"}
     assert written[3]["messages"][0] == {"role": "system", "content": "You are terse."}
     assert [m["content"] for m in written[3]["messages"] if m["role"] == "user"] == ["Name a color", "Another one"]
+
+
+def test_a_long_chat_shares_engine_calls_with_the_records_after_it(tmp_path, tiny_qwen35, target):
+    # rows of 1 and BATCHES_PER_CALL (4) histories per call: a 4-turn chat and five 1-turn ones make 9 turns
+    settings = S.load(None, [("model.path", tiny_qwen35), ("regenerate.max_new_tokens", MAX_NEW),
+                             ("regenerate.batch_tokens", MAX_NEW)], environ={})
+    engine = TransformersEngine(settings, "cpu")
+    assert engine.batch_size == 4
+    calls = []
+    respond = engine.respond
+    engine.respond = lambda histories: calls.append(len(histories)) or respond(histories)
+    records = [chat("u1", "a", "u2", "a", "u3", "a", "u4", "a")] + [chat(f"single {i}", "a") for i in range(5)]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = regenerate(settings, [str(data)], str(tmp_path / "out.jsonl"), engine, progress=False)
+    assert report.regenerated == 6 and calls == [4, 3, 1, 1]  # the pool refills while the long chat goes on
+    written = {w["source"]: w for w in read_jsonl(tmp_path / "out.jsonl")}
+    assert [w["source"] for w in read_jsonl(tmp_path / "out.jsonl")][-1] == f"{data}:1"  # written when it finished
+    for number, record in enumerate(records, 1):
+        assert written[f"{data}:{number}"]["messages"] == target.regenerated(record)
+
+
+def test_a_batch_out_of_memory_is_split_and_answers_the_same(tiny_qwen35, target):
+    import torch
+
+    settings = S.load(None, [("model.path", tiny_qwen35), ("regenerate.max_new_tokens", MAX_NEW)], environ={})
+    engine = TransformersEngine(settings, "cpu")
+    generate, tried, ran = engine.model.generate, [], []
+
+    def small_batches_only(input_ids, **kwargs):
+        tried.append(input_ids.shape[0])
+        if input_ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("simulated")
+        ran.append(input_ids.shape[0])
+        return generate(input_ids=input_ids, **kwargs)
+
+    engine.model.generate = small_batches_only
+    histories = [normalize(chat(f"question number {i} " * (i + 1), "a")) for i in range(5)]
+    for history in histories:
+        history.messages.pop()  # ends where the target speaks
+    replies = engine.respond(histories)
+    assert tried[:3] == [5, 2, 3] and sorted(ran) == [1, 2, 2]  # halves, split again until each fits
+    assert [r.content for r in replies] == [target.reply(h.messages)[0] for h in histories]
+
+
+def test_kv_bytes_count_only_the_layers_that_cache_keys(tiny_qwen35, tmp_path):
+    from producers.engines import auto_batch_tokens, kv_bytes_per_token
+    from workers.tiny_model import write_tiny_model
+
+    for path in (tiny_qwen35, write_tiny_model(str(tmp_path / "llama"), "llama")):
+        model = load_target(path, "cpu")
+        config = model.config.get_text_config()
+        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        cached = sum(t != "linear_attention" for t in types)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        assert kv_bytes_per_token(model) == 2 * cached * config.num_key_value_heads * head_dim * 4  # fp32 on the CPU
+        assert auto_batch_tokens(model, model.device) == 65536  # the CPU's fixed budget
+    assert "linear_attention" in load_target(tiny_qwen35, "cpu").config.get_text_config().layer_types
 
 
 # --- the endpoint engine ------------------------------------------------------------------------------------
@@ -364,7 +425,7 @@ def test_settings_reach_the_endpoint(tmp_path, chat_server):
     ("regenerate.concurrency", "0", "regenerate.concurrency must be at least 1"),
     ("regenerate.timeout_seconds", "0", "regenerate.timeout_seconds must be more than 0"),
     ("regenerate.retries", "-1", "regenerate.retries must be 0 or more"),
-    ("regenerate.batch_tokens", "0", "regenerate.batch_tokens must be at least 1"),
+    ("regenerate.batch_tokens", "-1", "regenerate.batch_tokens must be at least 1"),
     ("regenerate.enable_thinking", "maybe", "not a valid bool"),
     ("regenerate.max_new_tokens", "many", "not a valid int"),
 ])
