@@ -80,6 +80,7 @@ def write_config(work: Path, args) -> Path:
     config.write_text(f"""run = "quality"
 [store]
 path = "runs"
+codec = "{args.codec}"
 [model]
 path = "model"
 [data]
@@ -261,6 +262,9 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=6e-4)
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
+    # fp8 against bf16 on the same data: a second --work folder holding a copy of the first one's regenerated.jsonl
+    # and state.json up to `regenerate`
+    parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
     parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [4 on a GPU, else 1]")
@@ -293,7 +297,7 @@ def main() -> None:
         state[phase] = {**result, "seconds": round(time.perf_counter() - started, 1)}
         state_file.write_text(json.dumps(state, indent=2))
         print(f"{phase}: {json.dumps(state[phase])}", file=sys.stderr, flush=True)
-    print(json.dumps({"benchmark": "quality", "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
+    print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
                       **state}))
 
 

@@ -3,14 +3,20 @@
 Tensors: `hidden_zstd` (uint8, the byte-shuffled and zstd-compressed hidden states [N, K, H] of all samples
 concatenated), `input_ids` int32 [N], `loss_mask` uint8 [N], `offsets` int64 [S + 1] and `sample_index` int64 [S].
 String metadata: format, version, run, chunk id, epoch, layer ids (JSON, z-lab convention), dtype, shape, shuffle
-scheme, compressor, checksum (crc32 of the small tensors; the compressed hidden states carry zstd's own xxh64
+scheme, compressor, codec, checksum (crc32 of the small tensors; the compressed hidden states carry zstd's own xxh64
 content checksum, verified on decompression). Byte-shuffling puts byte i of every value into plane i; the high (sign/exponent)
 planes of activations are far more repetitive than the mantissa planes, which is what zstd then exploits.
+
+Codecs (the run's store.codec): `bf16` stores the target dtype's values losslessly (format version 1, as before the
+field existed); `fp8` (version 2) stores float8 e4m3 values with one fp32 scale per token and layer (`scales`
+[N, K], amax / 448, outside the compressed payload), and records the encoder's measured relative error per layer.
+Readers accept both versions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -27,13 +33,44 @@ from dflashq.exceptions import BlobError
 from dflashq.layer_ids import CONVENTION
 
 FORMAT = "dflashq-blob"
-FORMAT_VERSION = 1
+CODEC_VERSIONS = {"bf16": 1, "fp8": 2}  # the format version each codec writes; a reader takes every one of them
+FORMAT_VERSION = max(CODEC_VERSIONS.values())
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value: a row's amax maps onto it
+# the largest error of a stored value relative to its row's amax: half a unit in the last place of 3 mantissa bits
+CODEC_RELATIVE_ERROR = {"bf16": 0.0, "fp8": 2.0 ** -4}
 SHUFFLE = "byte-planes"  # plane i holds byte i (little-endian) of every value
 COMPRESSOR = "zstd"
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ST_DTYPES = {np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8"}
+_ST_DTYPES = {np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32"}
 _REQUIRED = ("format", "version", "run", "chunk_id", "epoch", "layer_ids", "dtype", "shape", "checksum")
+
+
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K, H] -> (e4m3 values [N, K, H], fp32 scales [N, K], relative error per layer [K]), on hidden's device
+    (the worker runs it on the GPU). A row of zeros keeps scale 1; a NaN stays NaN and an inf turns its row NaN, so
+    verify and inspect still find them."""
+    x = hidden.float()  # [N, K, H]
+    amax = x.abs().amax(dim=-1)  # [N, K]
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [N, K]
+    values = (x / scales[..., None]).to(FP8)  # [N, K, H]
+    error = values.float() * scales[..., None] - x  # [N, K, H]
+    norm = x.square().sum(dim=(0, 2)).sqrt().clamp_min(torch.finfo(torch.float32).tiny)  # [K]
+    relative = error.square().sum(dim=(0, 2)).sqrt() / norm  # [K] ||error|| / ||x|| per layer
+    return values, scales, relative
+
+
+def stored_bytes_per_token(codec: str, layers: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Hidden-state bytes of one token before compression: K x H values (1 byte each for fp8, plus K scales)."""
+    if codec == "fp8":
+        return layers * (hidden_size + 4)
+    return layers * hidden_size * torch.empty(0, dtype=dtype).element_size()
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [N, K, H] and scales [N, K] -> `dtype` [N, K, H], on the tensors' device."""
+    return (values.float() * scales.float()[..., None]).to(dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -54,6 +91,8 @@ def shuffle_bytes(t: torch.Tensor) -> torch.Tensor:
 def unshuffle_bytes(planes: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of shuffle_bytes, on the CPU: uint8 [itemsize, *shape] -> `dtype` [*shape] (a new, writable tensor)."""
     values = np.ascontiguousarray(np.moveaxis(planes, 0, -1))
+    if not values.flags.writeable:  # one plane (1-byte values) is the decompressed buffer itself
+        values = values.copy()
     return torch.from_numpy(values).view(dtype).reshape(planes.shape[1:])
 
 
@@ -81,23 +120,36 @@ def encode_blob(
     *,
     sample_index=None,
     dtype: torch.dtype | None = None,
+    codec: str = "bf16",
+    scales=None,
+    relative_error: list[float] | None = None,
 ) -> list[bytes | memoryview]:
     """Serialize one chunk; returns buffers for Store.write_atomic.
 
     `hidden` is either float [N, K, H] or, already shuffled (e.g. on the GPU), shuffle_bytes' uint8
-    [itemsize, N, K, H] output together with its original `dtype`. `meta` needs run, chunk_id, epoch, layer_ids.
+    [itemsize, N, K, H] output together with its original `dtype`. With codec fp8 a float `hidden` is quantized
+    here; already quantized, it is quantize_fp8's values as byte planes [1, N, K, H] with their `scales` [N, K],
+    `relative_error` and the target `dtype`. `meta` needs run, chunk_id, epoch, layer_ids.
     `threads` is zstd's worker count (0: compress in the calling thread).
     """
+    if codec not in CODEC_VERSIONS:
+        raise ValueError(f"codec must be one of {sorted(CODEC_VERSIONS)}, not {codec!r}")
     if isinstance(hidden, np.ndarray):
         hidden = torch.from_numpy(hidden)
     if dtype is None:
         dtype = hidden.dtype
+        if codec == "fp8":
+            hidden, scales, error = quantize_fp8(hidden.detach())
+            relative_error = error.tolist()
         planes = shuffle_bytes(hidden.detach().cpu())
     else:
         planes = hidden.detach().cpu().contiguous()
     shape = list(planes.shape[1:])
-    if len(shape) != 3 or planes.dtype != torch.uint8 or planes.shape[0] != torch.empty(0, dtype=dtype).element_size():
+    itemsize = 1 if codec == "fp8" else torch.empty(0, dtype=dtype).element_size()
+    if len(shape) != 3 or planes.dtype != torch.uint8 or planes.shape[0] != itemsize:
         raise ValueError(f"hidden must be [N, K, H] (or its byte planes); got {tuple(hidden.shape)} {hidden.dtype}")
+    if (codec == "fp8") != (scales is not None):
+        raise ValueError("fp8 blobs need their scales [N, K]; bf16 blobs have none")
     planes = planes.numpy()
     ids = _as_array(input_ids, np.int32)
     mask = _as_array(loss_mask, np.uint8)
@@ -107,12 +159,19 @@ def encode_blob(
         raise ValueError("input_ids, loss_mask and offsets must describe the same tokens as hidden")
     if index.shape != (len(offs) - 1,):
         raise ValueError("sample_index needs one entry per sample")
+    small = [ids, mask, offs, index]
+    if scales is not None:
+        scales = _as_array(scales, np.float32)
+        if scales.shape != tuple(shape[:2]):
+            raise ValueError(f"scales must be [N, K] = {shape[:2]}, not {list(scales.shape)}")
+        small.append(scales)
     # zstd's own xxh64 content checksum covers the hidden states, computed in its worker threads (a separate
     # single-threaded crc over ~1 GB per chunk would stall the writer); crc32 covers the small tensors.
     compressed = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True).compress(planes)
     metadata = {
         "format": FORMAT,
-        "version": str(FORMAT_VERSION),
+        "version": str(CODEC_VERSIONS[codec]),
+        "codec": codec,
         "run": str(meta["run"]),
         "chunk_id": str(meta["chunk_id"]),
         "epoch": str(int(meta["epoch"])),
@@ -122,11 +181,14 @@ def encode_blob(
         "shape": json.dumps(shape),
         "shuffle": SHUFFLE,
         "compressor": f"{COMPRESSOR}:{level}",
-        "checksum": _checksum([ids, mask, offs, index]),
+        "checksum": _checksum(small),
     }
+    if relative_error is not None:
+        metadata["relative_error"] = json.dumps([round(float(e), 6) for e in relative_error])
     tensors = {
         "offsets": offs,
         "sample_index": index,
+        **({"scales": scales} if scales is not None else {}),
         "input_ids": ids,
         "loss_mask": mask,
         "hidden_zstd": np.frombuffer(compressed, dtype=np.uint8),
@@ -139,7 +201,7 @@ def _safetensors_buffers(tensors: dict[str, np.ndarray], metadata: dict[str, str
     (safetensors' own save() concatenates everything into one new bytes object)."""
     header: dict = {"__metadata__": metadata}
     offset = 0
-    for name, array in tensors.items():  # int64 first, so every tensor stays aligned to its item size
+    for name, array in tensors.items():  # largest items first, so every tensor stays aligned to its item size
         end = offset + array.nbytes
         header[name] = {"dtype": _ST_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, end]}
         offset = end
@@ -150,12 +212,38 @@ def _safetensors_buffers(tensors: dict[str, np.ndarray], metadata: dict[str, str
 
 @dataclasses.dataclass
 class Blob:
-    hidden: torch.Tensor  # [N, K, H] target dtype
+    values: torch.Tensor  # [N, K, H] the target dtype (codec bf16) or float8 e4m3 (codec fp8)
     input_ids: torch.Tensor  # [N] int32
     loss_mask: torch.Tensor  # [N] uint8
     offsets: torch.Tensor  # [S + 1] int64
     sample_index: torch.Tensor  # [S] int64
     metadata: dict[str, str]
+    scales: torch.Tensor | None = None  # [N, K] fp32 per token and layer (codec fp8)
+
+    @property
+    def codec(self) -> str:
+        return self.metadata.get("codec", "bf16")  # blobs written before the field existed are lossless
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.metadata["dtype"]]
+
+    @property
+    def relative_error(self) -> list[float] | None:
+        """fp8: ||stored - original|| / ||original|| per tapped layer, measured by the encoder."""
+        raw = self.metadata.get("relative_error")
+        return json.loads(raw) if raw else None
+
+    def hidden_on(self, device: torch.device | str) -> torch.Tensor:
+        """[N, K, H] in the target dtype on `device`: an fp8 blob travels as 1-byte values and is dequantized there."""
+        if self.scales is None:
+            return self.values.to(device)
+        return dequantize_fp8(self.values.to(device), self.scales.to(device), self.dtype)
+
+    @functools.cached_property
+    def hidden(self) -> torch.Tensor:
+        """[N, K, H] in the target dtype, on the CPU."""
+        return self.hidden_on("cpu")
 
     @property
     def layer_ids(self) -> list[int]:
@@ -172,11 +260,13 @@ class Blob:
     def __len__(self) -> int:
         return int(self.offsets.shape[0]) - 1
 
-    def samples(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per sample: (hidden [T, K, H], input_ids [T], loss_mask [T]), views into the blob's tensors."""
+    def samples(self, device: torch.device | str | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per sample: (hidden [T, K, H], input_ids [T], loss_mask [T]); hidden on `device` (default: the CPU), as
+        views into one [N, K, H] tensor."""
+        hidden = self.hidden if device is None else self.hidden_on(device)
         bounds = self.offsets.tolist()
         for start, end in zip(bounds[:-1], bounds[1:]):
-            yield self.hidden[start:end], self.input_ids[start:end], self.loss_mask[start:end]
+            yield hidden[start:end], self.input_ids[start:end], self.loss_mask[start:end]
 
 
 def read_metadata(data: bytes | memoryview) -> dict[str, str]:
@@ -193,14 +283,18 @@ def read_metadata(data: bytes | memoryview) -> dict[str, str]:
         raise BlobError("the blob header is corrupt (not safetensors with metadata); re-extract its chunk.") from None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise BlobError(f"the file is not a {FORMAT} (format {metadata.get('format')!r}); point dflashq at its blobs.")
-    if metadata.get("version") != str(FORMAT_VERSION):
+    readable = sorted(set(CODEC_VERSIONS.values()))
+    if metadata.get("version") not in map(str, readable):
         raise BlobError(
             f"blob format version {metadata.get('version')!r} is not supported by this dflashq (reads "
-            f"{FORMAT_VERSION}); use the dflashq version that wrote the run."
+            f"{', '.join(map(str, readable))}); use the dflashq version that wrote the run."
         )
     missing = [key for key in _REQUIRED if key not in metadata]
     if missing:
         raise BlobError(f"the blob metadata lacks {', '.join(missing)}; re-extract its chunk.")
+    codec = metadata.get("codec", "bf16")
+    if CODEC_VERSIONS.get(codec) != int(metadata["version"]):
+        raise BlobError(f"the blob's codec {codec!r} does not belong to format version {metadata['version']}; re-extract its chunk.")
     return metadata
 
 
@@ -208,23 +302,28 @@ def decode_blob(data: bytes) -> Blob:
     """Parse, decompress, checksum-verify and unshuffle a blob; any damage raises BlobError."""
     metadata = read_metadata(data)
     chunk = metadata["chunk_id"]
+    fp8 = metadata.get("codec") == "fp8"
     try:
         tensors = safetensors.numpy.load(bytes(data))
-        dtype = _DTYPES[metadata["dtype"]]
-        planes_shape = (torch.empty(0, dtype=dtype).element_size(), *json.loads(metadata["shape"]))
+        stored = FP8 if fp8 else _DTYPES[metadata["dtype"]]
+        planes_shape = (torch.empty(0, dtype=stored).element_size(), *json.loads(metadata["shape"]))
         raw = zstandard.ZstdDecompressor().decompress(tensors["hidden_zstd"], max_output_size=math.prod(planes_shape))
         planes = np.frombuffer(raw, dtype=np.uint8).reshape(planes_shape)
         others = [tensors[name] for name in ("input_ids", "loss_mask", "offsets", "sample_index")]
+        scales = tensors["scales"] if fp8 else None
     except Exception as exc:
         raise BlobError(f"blob of chunk {chunk} is corrupt ({type(exc).__name__}); re-extract the chunk.") from None
-    if _checksum(others) != metadata["checksum"]:
+    if _checksum(others + ([scales] if fp8 else [])) != metadata["checksum"]:
         raise BlobError(f"blob of chunk {chunk} fails its checksum; re-extract the chunk.")
-    return Blob(unshuffle_bytes(planes, dtype), *(torch.from_numpy(a) for a in others), metadata)
+    return Blob(unshuffle_bytes(planes, stored), *(torch.from_numpy(a) for a in others), metadata,
+                torch.from_numpy(scales) if fp8 else None)
 
 
 def blob_stats(blob: Blob) -> dict[int, dict[str, float]]:
-    """Per tapped layer id: mean, std, min, max, abs_max, zero_fraction, non_finite (for `dflashq inspect`)."""
+    """Per tapped layer id: mean, std, min, max, abs_max, zero_fraction, non_finite, and for fp8 blobs the
+    encoder's relative_error (for `dflashq inspect`)."""
     stats = {}
+    errors = blob.relative_error
     for k, layer in enumerate(blob.layer_ids):
         x = blob.hidden[:, k].float()
         finite = x[torch.isfinite(x)]
@@ -236,5 +335,6 @@ def blob_stats(blob: Blob) -> dict[int, dict[str, float]]:
             "abs_max": finite.abs().max().item() if finite.numel() else float("nan"),
             "zero_fraction": (x == 0).float().mean().item() if x.numel() else float("nan"),
             "non_finite": int(x.numel() - finite.numel()),
+            **({"relative_error": errors[k]} if errors else {}),
         }
     return stats

@@ -9,6 +9,7 @@ REDIS_OUTAGE_SECONDS = 300.0  # a lost connection is retried (with backoff) this
 # [store]
 STORE_PATH = "dflashq-runs"
 RETENTION = "delete"  # "delete": blob removed once trained; "keep": later epochs read the store
+CODEC = "bf16"  # hidden states in blobs: "bf16" (the target dtype, lossless) or "fp8" (e4m3 + a scale per token and layer)
 
 # [model]
 MODEL_PATH = ""

@@ -10,7 +10,7 @@ import os
 
 import redis
 
-from dflashq.blob import FORMAT_VERSION as BLOB_FORMAT_VERSION
+from dflashq.blob import CODEC_VERSIONS
 from dflashq.exceptions import ManifestMismatch
 from dflashq.keys import Keys
 from dflashq.layer_ids import CONVENTION
@@ -42,13 +42,17 @@ def expected(settings, layer_ids: list[int] | None = None, data_fingerprint: str
         "layer_id_convention": CONVENTION,
         "max_length": settings.data.max_length,
         "data_fingerprint": data_fingerprint,
-        "blob_format_version": BLOB_FORMAT_VERSION,
+        "codec": settings.store.codec,
+        "blob_format_version": CODEC_VERSIONS[settings.store.codec],
     }
 
 
 # Fields a joining command must match; model_path may differ between hosts as long as the fingerprint agrees.
 # mask_token_id is added by the trainer (the drafter's MASK token, chosen once per run).
-CHECKED = ("model_fingerprint", "layer_ids", "max_length", "data_fingerprint", "blob_format_version", "mask_token_id")
+CHECKED = ("model_fingerprint", "layer_ids", "max_length", "data_fingerprint", "codec", "blob_format_version",
+           "mask_token_id")
+# What a manifest written before a field existed meant by it: runs started before codecs stored bf16.
+LEGACY = {"codec": "bf16"}
 
 
 def join(conn: redis.Redis, store: Store, mine: dict) -> dict:
@@ -67,7 +71,7 @@ def join(conn: redis.Redis, store: Store, mine: dict) -> dict:
                 raw = pipe.get(keys.manifest)
                 current = json.loads(raw) if raw else on_disk
                 for field in CHECKED:
-                    theirs, ours = current.get(field), mine.get(field)
+                    theirs, ours = current.get(field, LEGACY.get(field) if current else None), mine.get(field)
                     if theirs is not None and ours is not None and theirs != ours:
                         raise ManifestMismatch(
                             f"Run '{mine['run']}' was started with {field} = {theirs!r} but this command has {ours!r}: "

@@ -27,6 +27,7 @@ class RedisSettings:
 class StoreSettings:
     path: str = defaults.STORE_PATH
     retention: str = defaults.RETENTION
+    codec: str = defaults.CODEC
 
 
 @dataclasses.dataclass
@@ -285,6 +286,7 @@ def _validate(settings: Settings) -> None:
         (not settings.train.layer_types or len(settings.train.layer_types) == settings.train.num_layers,
          f"train.layer_types lists {len(settings.train.layer_types)} layers but train.num_layers is {settings.train.num_layers}"),
         (settings.train.attention in ("auto", "flex", "sdpa"), "train.attention must be 'auto', 'flex' or 'sdpa'"),
+        (settings.store.codec in ("bf16", "fp8"), "store.codec must be 'bf16' or 'fp8'"),
         (set(settings.train.layer_types) <= {"full_attention", "sliding_attention"},
          "train.layer_types entries must be 'full_attention' or 'sliding_attention'"),
         (settings.workers.heartbeat_seconds * 2 <= settings.workers.worker_ttl, "workers.worker_ttl must be at least twice workers.heartbeat_seconds"),

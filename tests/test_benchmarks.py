@@ -34,6 +34,25 @@ def test_extract_benchmark_reports_every_phase_and_every_blob():
     assert "Self CPU" in log  # the --profile table
 
 
+def test_extract_benchmark_with_the_fp8_codec():
+    report, _ = bench("extract.py", "--tiny", "--chunks", "2", "--codec", "fp8")
+    assert report["codec"] == "fp8" and report["announced_blobs"] == 2 and report["verify_ok"]
+    # float32 states to 1 byte + a scale per token and layer: well under half of the lossless blob
+    assert report["compression_ratio"] > 3 and 2 ** -8 < max(report["float32_error_stored"].values()) < 2 ** -4
+
+
+def test_codec_benchmark_compares_both_codecs_on_the_same_states():
+    report, _ = bench("codec.py", "--tiny")
+    bf16, fp8 = report["bf16"], report["fp8"]
+    assert report["tokens"] == 512 and report["dtype"] == "bfloat16"
+    assert bf16["relative_error_per_layer"] == [0.0, 0.0]  # lossless
+    assert all(0 < e < 2 ** -4 for e in fp8["relative_error_per_layer"])
+    # what the encoder recorded is what the decoded blob shows (the dequantized values' bf16 rounding aside)
+    assert all(abs(a - b) <= 0.02 * b for a, b in zip(fp8["recorded_relative_error"], fp8["relative_error_per_layer"]))
+    assert report["fp8_vs_bf16_bytes"] == round(fp8["bytes_per_token"] / bf16["bytes_per_token"], 3) < 0.7
+    assert min(bf16["encode_mb_per_s_per_core"], fp8["encode_mb_per_s_per_core"], fp8["decode_mb_per_s_per_core"]) > 0
+
+
 def test_train_benchmark_steps():
     report, _ = bench("train.py", "--tiny", "--steps", "2", "--warmup-steps", "1")
     assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])

@@ -73,6 +73,25 @@ def test_manifest_refuses_mismatched_join_and_remembers_on_disk(conn, tmp_path):
         join(conn, store, expected(settings, [1, 5], "abc"))
 
 
+def test_a_run_refuses_a_second_codec_also_when_started_before_codecs(conn, tmp_path):
+    settings = S.load(None, [("run", "c"), ("store.path", str(tmp_path))], environ={})
+    store = Store(settings.store.path, "c")
+    assert join(conn, store, expected(settings, [1, 5], "abc"))["codec"] == "bf16"
+    fp8 = S.load(None, [("run", "c"), ("store.path", str(tmp_path)), ("store.codec", "fp8")], environ={})
+    with pytest.raises(ManifestMismatch, match="codec = 'bf16' but this command has 'fp8'"):
+        join(conn, store, expected(fp8, [1, 5], "abc"))
+    # a manifest written before the codec field: its blobs are bf16
+    legacy = {k: v for k, v in json.loads(Path(store.path("run.json")).read_text()).items()
+              if k not in ("codec", "blob_format_version")}
+    conn.flushdb()
+    Path(store.path("run.json")).write_text(json.dumps(legacy))
+    with pytest.raises(ManifestMismatch, match="codec"):
+        join(conn, store, expected(fp8, [1, 5], "abc"))
+    assert join(conn, store, expected(settings, [1, 5], "abc"))["codec"] == "bf16"
+    with pytest.raises(ConfigError, match="store.codec must be"):
+        S.load(None, [("store.codec", "int4")], environ={})
+
+
 def test_cli_reports_config_errors_without_traceback(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text("[data]\nmax_length = 'long'\n")

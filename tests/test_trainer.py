@@ -43,7 +43,8 @@ def make_settings(tmp_path, redis_url, model, **extra):
 def cli_args(settings, extra=()):
     args = ["--run", settings.run, "--redis-url", settings.redis.url, "--store", settings.store.path,
             "--model", settings.model.path]
-    for key in [*FAST, "store.retention", "train.epochs", "backpressure.max_store_bytes", "backpressure.max_backlog"]:
+    for key in [*FAST, "store.retention", "store.codec", "train.epochs", "backpressure.max_store_bytes",
+                "backpressure.max_backlog"]:
         section, name = key.split(".")
         args += ["-s", f"{key}={getattr(getattr(settings, section), name)}"]
     return args + list(extra)
@@ -138,6 +139,22 @@ def test_retention_keep_reads_later_epochs_from_the_store(tmp_path, redis_url, t
     assert state.consumed[1] == order  # the epoch's seeded shuffle, so a restart resumes the same order
     assert len(list(Path(run.store.path("blobs", "e0")).glob("*.dfq"))) == report.admitted  # kept
     assert_backlog_drained(run)
+
+
+def test_fp8_blobs_train_like_bf16_blobs_in_about_half_the_bytes(tmp_path, redis_url, tiny_qwen35):
+    results = {}
+    for codec in ("bf16", "fp8"):
+        settings = make_settings(tmp_path / codec, redis_url, tiny_qwen35, run=f"c-{codec}",
+                                 **{"store.codec": codec, "store.retention": "keep"})
+        run, report = produce_and_extract(settings)
+        stored = int(run.conn.get(run.keys.store_bytes))
+        result = Trainer(run, "cpu", progress=False).run_until_done()  # same data, same seed
+        assert result.consumed == {0: report.admitted} and not result.stopped
+        results[codec] = (stored, result.last_loss, result.last_eal)
+    (bf16_bytes, bf16_loss, bf16_eal), (fp8_bytes, fp8_loss, fp8_eal) = results["bf16"], results["fp8"]
+    # the tiny target's fp32 states: fp8 stores 1 byte of 4 (plus a scale per token and layer)
+    assert fp8_bytes < 0.4 * bf16_bytes, results
+    assert abs(fp8_loss - bf16_loss) <= 0.02 * bf16_loss and abs(fp8_eal - bf16_eal) <= 0.02 * bf16_eal, results
 
 
 def test_retention_delete_re_extracts_each_epoch(tmp_path, redis_url, tiny_qwen35):

@@ -53,7 +53,7 @@ def worker_cmd(settings, index, burst=True):
            "--run", settings.run, "--redis-url", settings.redis.url, "--store", settings.store.path,
            "--model", settings.model.path]
     for key in ("data.max_length", "train.num_layers", "workers.heartbeat_seconds", "workers.worker_ttl",
-                "backpressure.poll_seconds", "workers.batch_tokens"):
+                "backpressure.poll_seconds", "workers.batch_tokens", "store.codec"):
         section, name = key.split(".")
         cmd += ["-s", f"{key}={getattr(getattr(settings, section), name)}"]
     return cmd + (["--burst"] if burst else [])
@@ -94,6 +94,30 @@ def test_worker_writes_verified_blobs_and_announces_each_once(tmp_path, redis_ur
     samples = [Sample(ids.numpy(), mask.numpy()) for _, ids, mask in blob.samples()]
     reports, ok = verify_samples(model, blob.layer_ids, samples, [h for h, _, _ in blob.samples()])
     assert ok, [r.problems() for r in reports]
+
+
+def test_fp8_worker_blobs_pass_verify_within_the_codec_tolerance(tmp_path, redis_url, tiny_qwen35):
+    from workers.verify import verify_run
+
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"store.codec": "fp8"})
+    run, report = admit_sample_data(settings, 12)
+    proc = subprocess.run(worker_cmd(settings, 0), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exactly_once(run, report)
+    path = run.conn.xrange(run.keys.results)[0][1][b"path"].decode()
+    blob = decode_blob(Path(path).read_bytes())
+    assert blob.codec == "fp8" and blob.values.dtype == torch.float8_e4m3fn and len(blob.relative_error) == 3
+    assert run.manifest["codec"] == "fp8"
+    reports, ok, checked = verify_run(run, 4)
+    assert ok and checked == 4, [r.problems() for r in reports]
+    # the fp32 tiny target agrees with the reference to rounding: fp8's own error is what verify allowed for
+    assert 1e-3 < max(r.max_rel_diff for r in reports) <= 1e-4 + 2 ** -4
+    samples = [Sample(ids.numpy(), mask.numpy()) for _, ids, mask in blob.samples()]
+    from dflashq.target import load_target
+
+    _, lossless_ok = verify_samples(load_target(tiny_qwen35), blob.layer_ids, samples,
+                                    [h for h, _, _ in blob.samples()], codec="bf16")
+    assert not lossless_ok  # the same states judged as if stored losslessly
 
 
 def test_worker_refuses_other_functions_and_pickles(tmp_path, redis_url, tiny_qwen35):

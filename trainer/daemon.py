@@ -140,7 +140,8 @@ class Trainer:
     # --- training -------------------------------------------------------------------------------------------
     def _train_chunk(self, entry: Entry) -> tuple[float, list[float], float, float, float, int]:
         """One optimizer step over the chunk's samples; returns loss, per-slot accuracy, EAL, lr, grad norm, tokens."""
-        samples = list(decode_blob(self.run.store.read(entry.path)).samples())
+        # on the training device: an fp8 blob crosses as 1-byte values and is dequantized there
+        samples = list(decode_blob(self.run.store.read(entry.path)).samples(self.device))
         lengths = [int(ids.shape[0]) for _, ids, _ in samples]
         groups = micro_batches(lengths, self.cfg.micro_batch_tokens)
         loss, correct, count = 0.0, 0, 0

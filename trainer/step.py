@@ -34,7 +34,7 @@ def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device |
     length = max(int(ids.shape[0]) for _, ids, _ in samples)
     b = len(samples)
     k, h = samples[0][0].shape[1:]
-    context = torch.zeros(b, length, k * h, dtype=samples[0][0].dtype)  # [b, T, K*H]
+    context = torch.zeros(b, length, k * h, dtype=samples[0][0].dtype, device=samples[0][0].device)  # [b, T, K*H]
     ids = torch.zeros(b, length, dtype=torch.long)  # [b, T]
     mask = torch.zeros(b, length, dtype=torch.uint8)  # [b, T]
     for row, (hidden, sample_ids, sample_mask) in enumerate(samples):

@@ -19,7 +19,7 @@ import torch
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from dflashq.blob import encode_blob, shuffle_bytes
+from dflashq.blob import encode_blob, quantize_fp8, shuffle_bytes, stored_bytes_per_token
 from dflashq.budget import RELEASE_LUA, release, reserve
 from dflashq.chunk import Chunk, micro_batches
 from dflashq.exceptions import JobRefused
@@ -73,6 +73,7 @@ class Extractor:
         self.batch_tokens = settings.workers.batch_tokens
         self.max_splits = settings.workers.max_splits
         self.level = settings.workers.compress_level
+        self.codec = settings.store.codec
         self.threads = max(1, settings.workers.writer_threads)
         # Two chunks in flight at most: the one being written and the one being computed; each has a buffer.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-writer")
@@ -86,9 +87,9 @@ class Extractor:
         _active = self
 
     def chunk_bytes(self, tokens: int) -> int:
-        """Upper bound of a chunk's blob: its hidden states uncompressed."""
+        """Upper bound of a chunk's blob: its hidden states uncompressed, as the codec stores them."""
         hidden = self.model.config.get_text_config().hidden_size
-        return tokens * len(self.run_ctx.layer_ids) * hidden * self.model.dtype.itemsize
+        return tokens * stored_bytes_per_token(self.codec, len(self.run_ctx.layer_ids), hidden, self.model.dtype)
 
     # --- forward ------------------------------------------------------------------------------------------
     def _forward(self, chunk: Chunk) -> list[torch.Tensor]:
@@ -121,6 +122,14 @@ class Extractor:
         host.copy_(planes, non_blocking=True)
         return host
 
+    def _small_to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A small tensor (fp8 scales, errors) to fresh pinned memory without waiting for the device."""
+        if self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
     def _reserve(self, chunk: Chunk) -> None:
         """Hold the chunk's uncompressed size against the store budget before computing it (dflashq.budget);
         waits (heartbeating: the job is started) while the trainer has not freed enough."""
@@ -139,25 +148,32 @@ class Extractor:
             release(self.run_ctx.conn, self.run_ctx.keys, self.worker_name, chunk.id)
             raise
         hidden = torch.cat(states) if len(states) > 1 else states[0]  # [N, K, H]
-        planes = shuffle_bytes(hidden)  # [itemsize, N, K, H] uint8, shuffled on the device
+        fp8 = None
+        if self.codec == "fp8":  # quantized on the device: half the bytes cross to the host
+            values, scales, error = quantize_fp8(hidden)  # [N, K, H] e4m3, [N, K] fp32, [K]
+            planes = shuffle_bytes(values)  # [1, N, K, H] uint8
+        else:
+            planes = shuffle_bytes(hidden)  # [itemsize, N, K, H] uint8, shuffled on the device
         while len(self.pending) >= 2:  # bounded: one blob being written while this one is computed
             self.pending.pop(0).result()
         host = self._to_host(planes)
+        if self.codec == "fp8":
+            fp8 = (self._small_to_host(scales), self._small_to_host(error))
         done = torch.cuda.Event() if self.device.type == "cuda" else None
         if done is not None:
             done.record()
         conn, keys = self.run_ctx.conn, self.run_ctx.keys
         conn.sadd(unannounced_key(keys, self.worker_name), chunk.id)
-        future = self.pool.submit(self._write, chunk, host, hidden.dtype, done)
+        future = self.pool.submit(self._write, chunk, host, hidden.dtype, done, fp8)
         for f in [f for f in self.pending if f.done()]:
             f.result()  # surface a failed write of an earlier chunk
         self.pending = [f for f in self.pending if not f.done()] + [future]
         return {"chunk": chunk.id, "tokens": chunk.tokens, "samples": len(chunk.samples)}
 
     # --- writer thread ------------------------------------------------------------------------------------
-    def _write(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done) -> None:
+    def _write(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done, fp8) -> None:
         try:
-            self._write_and_announce(chunk, host, dtype, done)
+            self._write_and_announce(chunk, host, dtype, done, fp8)
         except Exception:
             # The job already returned: give the chunk back to the queue rather than lose it.
             log.exception("writing the blob of %s failed; re-queueing it", chunk.id)
@@ -167,7 +183,8 @@ class Extractor:
             conn.srem(unannounced_key(self.run_ctx.keys, self.worker_name), chunk.id)
             raise
 
-    def _write_and_announce(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done) -> None:
+    def _write_and_announce(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done, fp8) -> None:
+        """fp8: (scales [N, K], relative error [K]) of the quantized states in `host`."""
         if done is not None:
             done.synchronize()
         run, keys = self.run_ctx, self.run_ctx.keys
@@ -178,8 +195,10 @@ class Extractor:
         meta = {"run": run.settings.run, "chunk_id": chunk.id, "epoch": chunk.epoch, "layer_ids": run.layer_ids}
         ids = torch.cat([torch.from_numpy(s.input_ids) for s in chunk.samples])
         mask = torch.cat([torch.from_numpy(s.loss_mask) for s in chunk.samples])
+        scales, error = fp8 if fp8 is not None else (None, None)
         buffers = encode_blob(host, ids, mask, offsets, meta, self.level, self.threads,
-                              sample_index=[s.index for s in chunk.samples], dtype=dtype)
+                              sample_index=[s.index for s in chunk.samples], dtype=dtype, codec=self.codec,
+                              scales=scales, relative_error=error.tolist() if error is not None else None)
         path = run.store.blob_path(chunk.id, chunk.epoch)
         size = run.store.write_atomic(path, buffers)
         self._announce(
