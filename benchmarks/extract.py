@@ -160,6 +160,7 @@ def mean_relative_error(states, reference) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (checks the script, measures nothing useful)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when visible, the CPU with --tiny)")
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--chunk-tokens", type=int, default=16384)
     parser.add_argument("--batch-tokens", type=int, default=16384)
@@ -173,7 +174,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print where one bare pass over the first chunk spends its time")
     parser.add_argument("--out", default=None, help="folder for the blobs (default: a temporary folder)")
     args = parser.parse_args()
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    device = torch.device(args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda"))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if device.type == "cpu":
         block_unusable_kernels()

@@ -1,4 +1,6 @@
-"""Drafter training throughput on one GPU: samples/s, MFU against a matmul measured in the same run, peak memory.
+"""Drafter training throughput on one GPU: samples/s, MFU against a matmul measured in the same run, peak memory;
+with --ranks N, the same per rank of a DDP group launched through torch's launcher, and the scaling efficiency
+against one rank measured in the same run (N ranks' samples/s over N times one rank's).
 
 The Qwen3.6-27B drafter shape (5 layers, H 5120, intermediate 17408, vocab 248320, 32/8 heads of 128, block 16,
 4 sliding + 1 full layer) with synthetic context: random tapped states [T, 5*H] of 4096-token samples, every token
@@ -10,7 +12,7 @@ see (x3.5: forward + FlashAttention-style backward).
 --shape picks the target: qwen3.6-27b (above), qwen3-8b (H 4096, V 151936, full attention) or smollm2 (H 576, V 49152,
 the target's own 9/3 heads of 64). --lengths varied draws sample lengths per step and packs them as the trainer packs
 a chunk, so shapes change as in a run; compile_seconds = the whole run minus every step at the steady median.
-Usage: python benchmarks/train.py [--tiny] [--shape qwen3-8b] [--steps 20] [--lengths varied] [--profile]
+Usage: python benchmarks/train.py [--tiny] [--shape qwen3-8b] [--steps 20] [--lengths varied] [--profile] [--ranks 8]
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from torch.distributed.launcher.api import elastic_launch  # noqa: E402
 
 from benchmarks.extract import QWEN36_27B, TINY, matmul_tflops, print_profile, sync  # noqa: E402
 from dflashq.chunk import micro_batches  # noqa: E402
+from ops.launch import launch_config  # noqa: E402
+from trainer import parallel  # noqa: E402
 from trainer.anchors import sample_anchors  # noqa: E402
 from trainer.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from trainer.ranks import Ranks  # noqa: E402
 from trainer.step import Batch, WarmupCosine, build_optimizer, train_step  # noqa: E402
 from trainer.target_head import TargetHead  # noqa: E402
 
@@ -83,7 +89,7 @@ def batches(args, cfg, device, dtype, gen: torch.Generator):
                     mask.to(device))  # [b, T]
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny drafter on the CPU (checks the script)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-27b", help="the target whose drafter is trained")
@@ -97,27 +103,39 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
     parser.add_argument("--profile", action="store_true", help="also print the top operators of one step")
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    target, layer_types = (TINY, None) if args.tiny else SHAPES[args.shape]
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="data-parallel (DDP) on N ranks through torch's launcher, after one rank alone")
+    args = parser.parse_args(argv)
     if args.tiny:
         args.seq_len, args.micro_batch_tokens = 256, 512
+    return args
+
+
+def bench_device(args: argparse.Namespace, ranks: Ranks) -> torch.device:
+    return ranks.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+
+
+def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
+    """The benchmark on this process's device: one rank, or this rank of a DDP group it has joined."""
+    device = bench_device(args, ranks)
+    target, layer_types = (TINY, None) if args.tiny else SHAPES[args.shape]
     layout = {"layer_types": layer_types} if layer_types else {}
     cfg = DrafterConfig.default_for_target(target, num_layers=5, mask_token_id=target["vocab_size"] - 1, **layout)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).to(device)  # fp32 master weights
+    model = parallel.wrap(drafter, ranks, "ddp", device)
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=head_dtype, device=device) * 0.02,
                       torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=head_dtype, device=device) * 0.02)
-    optimizer, scheduler = build_optimizer(drafter, 6e-4, 0.0, WarmupCosine(0.04, 1000))
-    generator = torch.Generator(device=device).manual_seed(0)
+    optimizer, scheduler = build_optimizer(model.parameters(), 6e-4, 0.0, WarmupCosine(0.04, 1000))
+    generator = torch.Generator(device=device).manual_seed(ranks.rank)
     ceiling = matmul_tflops(device)
     kwargs = dict(num_anchors=args.anchors, grad_clip=1.0, loss_chunk_rows=2048, generator=generator,
-                  attention=args.attention)
-    source = batches(args, cfg, device, head_dtype, torch.Generator().manual_seed(1))
+                  attention=args.attention, model=model)
+    source = batches(args, cfg, device, head_dtype, torch.Generator().manual_seed(1 + ranks.rank))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, flops, tokens = [], [], 0
+    times, flops, samples, tokens = [], [], [], 0
     start = time.perf_counter()
     for _ in range(args.warmup_steps + args.steps):  # the first ones compile flex attention and the block masks
         batch = next(source)
@@ -131,14 +149,15 @@ def main() -> None:
         sync(device)
         times.append(time.perf_counter() - t0)
         flops.append(sum(step_flops(cfg, int(row.sum()), a[None]) for row, a in zip(batch.loss_mask, anchors)))
+        samples.append(batch.loss_mask.shape[0])
         tokens += int(batch.loss_mask.sum())
     total_s = time.perf_counter() - start
     timed, timed_flops = times[args.warmup_steps:], flops[args.warmup_steps:]
     median = statistics.median(timed)
     seconds = sum(timed)
-    if args.profile:
+    if args.profile and ranks.leader:
         print_profile(device, lambda: train_step(drafter, head, next(source), optimizer, scheduler, **kwargs))
-    result = {
+    return {
         "benchmark": "train",
         "shape": "tiny" if args.tiny else args.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -152,6 +171,7 @@ def main() -> None:
         "compile_seconds": round(sum(times) - len(times) * median, 1),
         "step_ms": round(1000 * seconds / args.steps, 1),
         "median_step_ms": round(1000 * median, 1),
+        "samples_per_s": round(sum(samples[args.warmup_steps:]) / seconds, 3),
         "tokens_per_s": round(tokens / total_s, 1),
         "matmul_tflops": round(ceiling, 1),
         "model_tflops": round(sum(timed_flops) / seconds / 1e12, 1),
@@ -159,7 +179,34 @@ def main() -> None:
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if device.type == "cuda" else None,
         "last_loss": round(stats.loss, 3),
     }
-    print(json.dumps(result), flush=True)
+
+
+def rank_main(args: argparse.Namespace) -> dict:
+    """One rank launched by torch's elastic launcher: its figures come back to the launching process."""
+    ranks = Ranks.from_environment()
+    with ranks.joined(bench_device(args, ranks), 600):
+        return measure(args, ranks)
+
+
+def launch(args: argparse.Namespace, ranks: int) -> list[dict]:
+    results = elastic_launch(launch_config(ranks), rank_main)(args)
+    return [results[rank] for rank in range(ranks)]
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.ranks:
+        print(json.dumps(measure(args)), flush=True)
+        return
+    # one rank alone first, in the same run and through the same launcher, then N: their ratio is the scaling
+    one = launch(args, 1)[0]
+    per_rank = launch(args, args.ranks)
+    total = sum(r["samples_per_s"] for r in per_rank)
+    print(json.dumps({
+        "benchmark": "train", "ranks": args.ranks, "parallel": "ddp", "one_rank": one, "per_rank": per_rank,
+        "samples_per_s": round(total, 3),
+        "scaling_efficiency": round(total / (args.ranks * one["samples_per_s"]), 3),
+    }), flush=True)
 
 
 if __name__ == "__main__":

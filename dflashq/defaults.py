@@ -60,6 +60,12 @@ REGENERATE_CPU_BATCH_TOKENS = 65536  # batch_tokens 0 on the CPU
 REGENERATE_API_KEY = ""  # endpoint engine: sent as `Authorization: Bearer <key>` (vLLM/SGLang --api-key); better in the environment
 REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists
 
+# `up`: the share of a node's GPUs that train when no earlier run of the same name measured both rates. With per-GPU
+# rates e (extraction) and t (training), extraction on G - T GPUs keeps T ranks busy when (G - T) e = T t, i.e. at
+# T = G e / (e + t). Measured on an H200 for a Qwen3.6-27B target (README, Performance): e = 10,260 tokens/s end to
+# end, t = 2.93 samples/s x 4096 tokens = 12,001 tokens/s.
+TRAINER_GPU_SHARE = 10_260 / (10_260 + 12_001)
+
 # dashboard
 DASHBOARD_HOST = "127.0.0.1"
 DASHBOARD_PORT = 9181
@@ -75,7 +81,11 @@ WEIGHT_DECAY = 0.0
 GRAD_CLIP = 1.0
 EPOCHS = 6
 TOTAL_STEPS = 0  # 0: estimated from the chunks admitted per epoch
-CHUNKS_PER_STEP = 1
+CHUNKS_PER_STEP = 1  # per rank: one optimizer step averages the gradients of every rank's chunks (N ranks x this)
+PARALLEL = "ddp"  # with several ranks: "ddp" (a full replica per rank) or "fsdp" (FSDP2: weights and AdamW state sharded)
+# A collective that waits longer than this fails, so ranks never wait for ever on a dead one; it must outlast a Redis
+# outage ridden through (redis.outage_seconds) and rank 0 writing a checkpoint while the others wait at the barrier.
+RANK_TIMEOUT_SECONDS = 1800.0
 CHECKPOINT_EVERY_STEPS = 200
 CHECKPOINT_EVERY_MINUTES = 10.0
 LOSS_CHUNK_ROWS = 2048

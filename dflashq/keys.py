@@ -79,6 +79,11 @@ class Keys:
         return self.prefix + "trainer"
 
     @property
+    def trainer_ranks(self) -> str:
+        """Hash rank -> JSON of that trainer rank's own progress and training rate (rank 0 keeps `trainer`)."""
+        return self.prefix + "trainer_ranks"
+
+    @property
     def workers(self) -> str:
         """Hash worker name -> JSON of its last reported progress."""
         return self.prefix + "workers"

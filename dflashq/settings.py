@@ -83,6 +83,8 @@ class TrainSettings:
     epochs: int = defaults.EPOCHS
     total_steps: int = defaults.TOTAL_STEPS
     chunks_per_step: int = defaults.CHUNKS_PER_STEP
+    parallel: str = defaults.PARALLEL
+    rank_timeout_seconds: float = defaults.RANK_TIMEOUT_SECONDS
     checkpoint_every_steps: int = defaults.CHECKPOINT_EVERY_STEPS
     checkpoint_every_minutes: float = defaults.CHECKPOINT_EVERY_MINUTES
     loss_chunk_rows: int = defaults.LOSS_CHUNK_ROWS
@@ -287,6 +289,10 @@ def _validate(settings: Settings) -> None:
          f"train.layer_types lists {len(settings.train.layer_types)} layers but train.num_layers is {settings.train.num_layers}"),
         (settings.train.attention in ("auto", "flex", "sdpa"), "train.attention must be 'auto', 'flex' or 'sdpa'"),
         (settings.store.codec in ("bf16", "fp8"), "store.codec must be 'bf16' or 'fp8'"),
+        (settings.train.chunks_per_step >= 1, "train.chunks_per_step must be at least 1"),
+        (settings.train.parallel in ("ddp", "fsdp"), "train.parallel must be 'ddp' or 'fsdp'"),
+        (settings.train.rank_timeout_seconds > settings.redis.outage_seconds,
+         "train.rank_timeout_seconds must be longer than redis.outage_seconds (a rank riding out an outage must not time the others out)"),
         (set(settings.train.layer_types) <= {"full_attention", "sliding_attention"},
          "train.layer_types entries must be 'full_attention' or 'sliding_attention'"),
         (settings.workers.heartbeat_seconds * 2 <= settings.workers.worker_ttl, "workers.worker_ttl must be at least twice workers.heartbeat_seconds"),

@@ -98,7 +98,7 @@ def _run(settings, root: Path, workers: int) -> dict:
     console.print(f"2/4 up: producer, {workers} CPU workers and the trainer ({settings.train.epochs} epochs), "
                   f"Redis at {settings.redis.url}")
     run = redis_server.open_run(settings)
-    supervisor = Supervisor(run, [("cpu", i) for i in range(workers)], "cpu", Path(run.store.path("logs")), console)
+    supervisor = Supervisor(run, [("cpu", i) for i in range(workers)], ["--device", "cpu"], Path(run.store.path("logs")), console)
     if not supervisor.run_until_done():
         raise DflashqError("The demo was stopped before training finished; run `dflashq demo` again to resume it.")
     latest = checkpoint.latest(run.store.path("checkpoints"))

@@ -24,9 +24,33 @@ def _admitted(run: Run) -> int:
     return sum(run.conn.scard(key) for key in run.conn.scan_iter(match=run.keys.admitted("*"), count=1000))
 
 
+def worker_progress(run: Run) -> dict[str, dict]:
+    """What every worker that ever ran in the run last reported (tokens done, tokens/s), by name."""
+    return {k.decode(): json.loads(v) for k, v in run.conn.hgetall(run.keys.workers).items()}
+
+
+def trainer_ranks(run: Run, world_size: int | None = None) -> list[dict]:
+    """What each trainer rank last reported (rank, consumer, host, device, pid, chunks, tokens,
+    busy_tokens_per_second, unacknowledged), in rank order; with `world_size`, only the ranks of that world."""
+    ranks = sorted((json.loads(v) for v in run.conn.hvals(run.keys.trainer_ranks)), key=lambda r: r["rank"])
+    return [r for r in ranks if world_size is None or r["rank"] < world_size]
+
+
+def rates(workers: list[dict], ranks: list[dict]) -> dict:
+    """The run's extraction and training rates (tokens/s, each the sum over its workers or ranks of their rate
+    while busy, so a side held back by the other still shows what it could do) and which of the two limits the run."""
+    extraction = sum(w["busy_tokens_per_second"] for w in workers if w.get("busy_tokens_per_second")) or None
+    training = sum(r["busy_tokens_per_second"] for r in ranks if r.get("busy_tokens_per_second")) or None
+    limited_by = None
+    if extraction and training:
+        limited_by = "extraction" if extraction < training else "training"
+    return {"extraction_tokens_per_second": extraction, "training_tokens_per_second": training,
+            "limited_by": limited_by}
+
+
 def _workers(run: Run, queues: list[Queue]) -> list[dict]:
     now = datetime.datetime.now(datetime.timezone.utc)
-    progress = {k.decode(): json.loads(v) for k, v in run.conn.hgetall(run.keys.workers).items()}
+    progress = worker_progress(run)
     seen, out = set(), []
     for queue in queues:
         for worker in Worker.all(queue=queue):
@@ -43,6 +67,7 @@ def _workers(run: Run, queues: list[Queue]) -> list[dict]:
                 "chunks_done": worker.successful_job_count,
                 "chunks_failed": worker.failed_job_count,
                 "tokens_per_second": extra.get("tokens_per_second"),
+                "busy_tokens_per_second": extra.get("busy_tokens_per_second"),
                 "last_heartbeat_seconds_ago": round(age, 1) if age is not None else None,
                 "paused": bool(run.conn.sismember(run.keys.paused, worker.name) or run.conn.sismember(run.keys.paused, "*")),
                 "stuck": age is not None and age > 0.75 * run.settings.workers.worker_ttl,  # heartbeat late: the worker is wedged or its host is overloaded
@@ -65,11 +90,12 @@ def _failed(registries: list[FailedJobRegistry], limit: int = 20) -> list[dict]:
 def _eta_seconds(run: Run, trainer: dict) -> float | None:
     """Time left for the trainer at its pace so far in this process (None until both are known)."""
     per_epoch = run.conn.get(run.keys.epoch_total(0))
-    steps, started = trainer.get("steps_since_start"), trainer.get("started")
-    if per_epoch is None or not steps or not started:
+    # chunks, not steps: a step of N ranks trains N x train.chunks_per_step chunks (a trainer before ranks: 1)
+    chunks, started = trainer.get("chunks_since_start", trainer.get("steps_since_start")), trainer.get("started")
+    if per_epoch is None or not chunks or not started:
         return None
     remaining = int(per_epoch) * run.settings.train.epochs - trainer.get("consumed_total", 0)
-    return max(0.0, remaining * (time.time() - started) / steps)
+    return max(0.0, remaining * (time.time() - started) / chunks)
 
 
 def _trainer(run: Run) -> dict:
@@ -82,6 +108,8 @@ def collect(run: Run) -> dict:
     queues = run_queues(run)
     failed = [FailedJobRegistry(queue=q) for q in queues]
     trainer = _trainer(run)
+    workers = _workers(run, queues)
+    ranks = trainer_ranks(run, trainer.get("ranks"))
     return {
         "run": settings.run,
         "chunks": {
@@ -95,8 +123,10 @@ def collect(run: Run) -> dict:
         "backlog": {"current": int(run.conn.scard(run.keys.inflight)), "limit": settings.backpressure.max_backlog},
         "store": {"bytes": int(run.conn.get(run.keys.store_bytes) or 0), "limit": settings.backpressure.max_store_bytes,
                   "reserved": int(run.conn.get(run.keys.reserved_bytes) or 0)},
-        "workers": _workers(run, queues),
+        "workers": workers,
         "trainer": trainer,
+        "trainer_ranks": ranks,
+        "rates": rates(workers, ranks),
         "failed": _failed(failed),
         "eta_seconds": _eta_seconds(run, trainer),
     }
@@ -115,32 +145,46 @@ def render(data: dict, redis_url: str):
     head.add_row("store", f"{store['bytes'] / 1e9:.3f} / {store['limit'] / 1e9:.3f} GB (+{store['reserved'] / 1e9:.3f} GB reserved by running chunks)")
     parts = [head]
     if data["workers"]:
-        workers = Table(title="workers")
-        for col in ("name", "state", "current chunk", "done", "failed", "tokens/s", "heartbeat"):
-            workers.add_column(col)
-        for w in data["workers"]:
-            tps = w["tokens_per_second"]
-            beat = w["last_heartbeat_seconds_ago"]
-            state = w["state"] + (" (paused)" if w["paused"] else "") + (" [red]STUCK: heartbeat late[/]" if w["stuck"] else "")
-            workers.add_row(w["name"], state, w["current_chunk"] or "-",
-                            str(w["chunks_done"]), str(w["chunks_failed"]), f"{tps:,.0f}" if tps else "-",
-                            f"{beat:.0f}s ago" if beat is not None else "-")
-        parts.append(workers)
+        parts.append(_table("workers", ("name", "state", "current chunk", "done", "failed", "tokens/s", "heartbeat"), [
+            [w["name"], w["state"] + (" (paused)" if w["paused"] else "") + (" [red]STUCK: heartbeat late[/]" if w["stuck"] else ""),
+             w["current_chunk"] or "-", str(w["chunks_done"]), str(w["chunks_failed"]), _rate(w["tokens_per_second"]),
+             f"{w['last_heartbeat_seconds_ago']:.0f}s ago" if w["last_heartbeat_seconds_ago"] is not None else "-"]
+            for w in data["workers"]]))
     if data["eta_seconds"] is not None:
         head.add_row("ETA", f"{data['eta_seconds'] / 3600:.2f} h at the trainer's pace")
+    extraction, training = data["rates"]["extraction_tokens_per_second"], data["rates"]["training_tokens_per_second"]
+    if extraction or training:
+        limit = f": {data['rates']['limited_by']} limits the run" if data["rates"]["limited_by"] else ""
+        head.add_row("rates", f"extraction {_rate(extraction)} tokens/s, training {_rate(training)} tokens/s "
+                              f"(while busy){limit}")
     if data["failed"]:
-        failed = Table(title="failed chunks (dflashq requeue --failed)")
-        failed.add_column("chunk")
-        failed.add_column("reason")
-        for f in data["failed"]:
-            failed.add_row(f["chunk"], f["reason"])
-        parts.append(failed)
+        parts.append(_table("failed chunks (dflashq requeue --failed)", ("chunk", "reason"),
+                            [[f["chunk"], f["reason"]] for f in data["failed"]]))
     if data["trainer"]:
         trainer = Table(title="trainer", show_header=False)
         for k, v in data["trainer"].items():
             trainer.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
         parts.append(trainer)
+    if data["trainer_ranks"]:
+        parts.append(_table("trainer ranks", ("rank", "consumer", "host", "device", "chunks", "tokens/s", "unacknowledged"), [
+            [str(r["rank"]), r["consumer"], r["host"], r["device"], str(r["chunks"]), _rate(r["busy_tokens_per_second"]),
+             str(r["unacknowledged"])] for r in data["trainer_ranks"]]))
     return Group(*parts)
+
+
+def _table(title: str, columns: tuple[str, ...], rows: list[list[str]]):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _rate(tokens_per_second: float | None) -> str:
+    return f"{tokens_per_second:,.0f}" if tokens_per_second else "-"
 
 
 class OutageWatch:

@@ -1,4 +1,5 @@
-"""`dflashq up`: the whole pipeline as supervised child processes (producer, one worker per GPU, trainer).
+"""`dflashq up`: the whole pipeline as supervised child processes (producer, workers, trainer: one process, or the
+launcher of its ranks; ops.placement decides which GPUs each gets).
 
 A child that crashes is started again with exponential backoff; a worker's chunks are re-queued (front) the moment
 it is seen dead, before the restart. A worker that exits asking for a restart (`dflashq restart-worker`) starts
@@ -27,6 +28,7 @@ from dflashq.connection import redact
 from dflashq.exceptions import ChildFailed, RedisUnavailable
 from dflashq.run import Run
 from ops import status
+from ops.launch import settings_args
 from workers import recovery
 from workers.worker import EXIT_RESTART, worker_name
 
@@ -47,6 +49,7 @@ class Child:
     start_after: float = 0.0
     done: bool = False
     user_errors: int = 0  # consecutive exits with EXIT_USER_ERROR
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # its own, over the supervisor's (the trainer's GPUs)
 
 
 def child_environment(environ: dict[str, str]) -> dict[str, str]:
@@ -67,25 +70,22 @@ def error_sentence(log: Path) -> str:
 
 
 class Supervisor:
-    def __init__(self, run: Run, workers: list[tuple[str, int]], trainer_device: str, log_dir: Path,
-                 console: Console | None = None):
+    def __init__(self, run: Run, workers: list[tuple[str, int]], trainer_args: list[str], log_dir: Path,
+                 console: Console | None = None, trainer_env: dict[str, str] | None = None):
+        """`trainer_args`: the trainer's device and ranks flags (ops.placement)."""
         settings = run.settings
         self.run = run
         self.console = console or Console()
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        common = []
-        if settings.config_path:
-            common += ["--config", settings.config_path]
-        for key, value in settings.overrides:
-            common += ["--set", f"{key}={value}"]
-        common += ["--redis-url", settings.redis.url]  # resolved once here: children never race to start Redis
+        common = settings_args(settings)
         base = [sys.executable, "-m", "ops.cli"]
         self.children = [Child("producer", base + ["produce", *common, "--no-progress"], "producer")]
         for device, index in workers:
             flags = ["--device", "cpu", "--index", str(index)] if device == "cpu" else ["--gpu", str(index)]
             self.children.append(Child("worker", base + ["worker", *common, *flags], worker_name(device, index)))
-        self.children.append(Child("trainer", base + ["train", *common, "--device", trainer_device, "--no-progress"], "trainer"))
+        self.children.append(Child("trainer", base + ["train", *common, *trainer_args, "--no-progress"], "trainer",
+                                   env=trainer_env or {}))
         self.stopping = False
         self.failure: str | None = None  # a child's user error that stopped the run
         self.started_at = time.monotonic()
@@ -95,7 +95,7 @@ class Supervisor:
         return self.log_dir / f"{child.name}.log"
 
     def _spawn(self, child: Child) -> None:
-        env = child_environment(os.environ)
+        env = {**child_environment(os.environ), **child.env}
         log = open(self._log_path(child), "ab")
         # own session: Ctrl-C in the terminal reaches only the supervisor, which then stops children in order
         child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

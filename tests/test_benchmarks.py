@@ -80,3 +80,13 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     again, log = bench("quality.py", "--tiny", "--work", work)
     assert all(f"{phase}: done earlier" in log for phase in ("model", "prompts", "regenerate", "up", "eval"))
     assert again["eval"] == report["eval"]
+
+
+def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():
+    report, _ = bench("train.py", "--tiny", "--steps", "1", "--warmup-steps", "0", "--ranks", "2")
+    one, per_rank = report["one_rank"], report["per_rank"]
+    assert report["ranks"] == 2 and len(per_rank) == 2 and one["samples_per_s"] > 0
+    assert all(r["samples_per_s"] > 0 and math.isfinite(r["last_loss"]) and r["mfu"] is None for r in per_rank)  # MFU: GPU only
+    total = sum(r["samples_per_s"] for r in per_rank)
+    assert report["samples_per_s"] == round(total, 3)
+    assert report["scaling_efficiency"] == round(total / (2 * one["samples_per_s"]), 3) > 0

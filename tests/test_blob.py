@@ -209,9 +209,10 @@ def test_fp8_quantized_on_the_device_matches_the_cpu_encoder(device):
     here = b"".join(encode_blob(hidden, ids, mask, offsets, META, codec="fp8"))
     if device == "cpu":
         assert worker == here
-    else:  # the GPU may round x / scale differently in the last bit of a few values
+    else:  # the GPU's amax / 448 and x / scale may differ in the last bit, and so a few rounded values
         a, b = decode_blob(worker), decode_blob(here)
-        assert torch.equal(a.scales, b.scales) and (a.values.float() != b.values.float()).float().mean() < 1e-3
+        torch.testing.assert_close(a.scales, b.scales, rtol=2 ** -22, atol=0)
+        assert (a.values.float() != b.values.float()).float().mean() < 1e-3
     with pytest.raises(ValueError, match="scales"):
         encode_blob(planes, ids, mask, offsets, META, dtype=torch.bfloat16, codec="fp8")
 

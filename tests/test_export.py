@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from dflashq.exceptions import InputError
-from trainer.checkpoint import TrainState, save
+from trainer.checkpoint import TrainState, rng_state, save
+from trainer.parallel import full_state
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.export import export_checkpoint, export_drafter, load_exported
 from trainer.target_head import TargetHead
@@ -123,7 +124,9 @@ def test_load_exported_reproduces_the_drafter_in_bf16(drafter, tiny_qwen35, tmp_
 def test_export_checkpoint_exports_the_checkpointed_weights(drafter, tmp_path):
     optimizer = torch.optim.AdamW(drafter.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    checkpoint = save(tmp_path / "checkpoints", drafter, optimizer, scheduler, TrainState(step=7), None)
+    weights, optimizer_state = full_state(drafter, optimizer)  # as the trainer saves: full tensors, one rank
+    checkpoint = save(tmp_path / "checkpoints", drafter.config, weights, optimizer_state, scheduler.state_dict(),
+                      TrainState(step=7), [rng_state(torch.device("cpu"))])
     out = export_checkpoint(checkpoint, tmp_path / "export")
     loaded = load_exported(out)
     assert all(torch.equal(p, drafter.state_dict()[n].to(torch.bfloat16)) for n, p in loaded.state_dict().items())

@@ -117,7 +117,8 @@ def test_status_json_is_the_documented_interface(tmp_path, redis_url, qwen3_toke
                            "--store", str(tmp_path / "store")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data) == {"run", "chunks", "backlog", "store", "workers", "trainer", "failed", "eta_seconds"}
+    assert set(data) == {"run", "chunks", "backlog", "store", "workers", "trainer", "trainer_ranks", "rates", "failed",
+                         "eta_seconds"}
     assert data["chunks"] == {"admitted": report.admitted, "queued": report.admitted, "started": 0, "finished": 0, "failed": 0, "requeued": 0}
     assert data["backlog"] == {"current": report.admitted, "limit": settings.backpressure.max_backlog}
     assert data["store"] == {"bytes": 0, "limit": settings.backpressure.max_store_bytes, "reserved": 0}

@@ -115,9 +115,8 @@ def test_crash_between_checkpoint_and_ack_skips_duplicates(tmp_path, redis_url, 
     first = Trainer(run, "cpu", progress=False)
     first.run_until_done(max_steps=3)  # stops with a final checkpoint and ack
     trained_before = list(first.state.consumed[0])
-    for entry in first._next_entries() + first._next_entries():  # two more steps, then "crash" after the checkpoint
-        first._handle(entry, lambda record: None)
-    checkpoint.save(first.ckpt_root, first.drafter, first.optimizer, first.scheduler, first.state, first.generator)
+    first._ack = lambda entries: None  # two more steps and their checkpoint, then a "crash" before the ack
+    first.run_until_done(max_steps=2)
     del first  # never acknowledged: those two entries stay pending for this consumer
     second = Trainer(Run.open(settings), "cpu", progress=False)
     result = second.run_until_done()
@@ -201,9 +200,9 @@ def test_slow_trainer_keeps_the_store_within_its_byte_budget(tmp_path, redis_url
         trainer = Trainer(Run.open(settings), "cpu", progress=False)
         original = trainer._train_chunk
 
-        def slow(entry):
+        def slow(*args):
             time.sleep(0.5)  # a trainer slower than the workers: the budget must hold them back
-            return original(entry)
+            return original(*args)
 
         trainer._train_chunk = slow
         trainer.cfg.checkpoint_every_steps = 2

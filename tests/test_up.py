@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 from rq import Queue
 from rq.registry import FailedJobRegistry
@@ -263,3 +264,35 @@ def test_up_gives_up_past_outage_seconds_and_a_rerun_finishes_the_run(tmp_path, 
     assert FailedJobRegistry(queue=Queue(keys.shared_queue, connection=conn)).count == 0
     state = json.loads(next(Path(tmp_path / "store" / "up" / "checkpoints").glob("step-*/state.json")).read_text())
     assert sorted(state["train_state"]["consumed"]["0"]) == sorted(chunks)
+
+
+def test_up_splits_the_gpus_between_workers_and_trainer_ranks(tmp_path, conn, redis_url):
+    from dflashq import settings as S
+    from dflashq.exceptions import ConfigError
+    from ops.placement import place
+    from ops.supervisor import Supervisor
+
+    settings = S.load(None, [("run", "p"), ("redis.url", redis_url), ("store.path", str(tmp_path))], environ={})
+    run = Run.open(settings, join=False)
+    # a first start: the default ratio, 4 of 8 GPUs train
+    first = place(run, 8, None, None, None, environ={})
+    assert first.workers == [("cuda", i) for i in range(4)] and first.trainer_args == ["--device", "cuda", "--ranks", "4"]
+    assert first.trainer_env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"} and "default ratio" in first.note
+    trainer = Supervisor(run, first.workers, first.trainer_args, tmp_path / "logs", trainer_env=first.trainer_env).children[-1]
+    assert trainer.argv[-5:] == ["--device", "cuda", "--ranks", "4", "--no-progress"] and trainer.env == first.trainer_env
+    # the user's own CUDA_VISIBLE_DEVICES: the trainer's are its last entries
+    assert place(run, 4, None, None, 1, environ={"CUDA_VISIBLE_DEVICES": "2,3,6,7"}).trainer_env == {"CUDA_VISIBLE_DEVICES": "7"}
+    # rates an earlier run measured: a GPU worker extracts 3x what a rank trains, so 6 ranks keep up with 2 workers
+    conn.hset(run.keys.workers, "node.gpu0", json.dumps({"busy_tokens_per_second": 3000.0}))
+    conn.hset(run.keys.workers, "node.cpu0", json.dumps({"busy_tokens_per_second": 1.0}))  # not a GPU's rate
+    conn.hset(run.keys.trainer_ranks, "0", json.dumps({"rank": 0, "device": "cuda:0", "busy_tokens_per_second": 1000.0}))
+    measured = place(run, 8, None, None, None, environ={})
+    assert measured.trainer_args[-1] == "6" and "rates earlier runs of this run measured" in measured.note
+    shared = place(run, 1, None, None, None, environ={})  # one GPU: both on it, and said so
+    assert shared.workers == [("cuda", 0)] and shared.trainer_args == ["--device", "cuda:0"] and "share cuda:0" in shared.note
+    with pytest.raises(ConfigError, match="from 1 to 7"):
+        place(run, 8, None, None, 8, environ={})
+    with pytest.raises(ConfigError, match="leaves no GPU for a worker"):
+        place(run, 1, None, None, 2, environ={})
+    result = cli("up", "--trainer-gpus", "1", "--run", "p", "--redis-url", redis_url, "--store", str(tmp_path))
+    assert result.returncode == 2 and "--trainer-gpus splits" in result.stderr and "Traceback" not in result.stderr

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import Tensor
+
+
+def chunk_generator(seed: int, epoch: int, chunk: str, device: torch.device | str) -> torch.Generator:
+    """The anchor draws of one chunk in one epoch, seeded from (train.seed, epoch, chunk id) alone: the same
+    whichever rank trains the chunk, in whichever step, after however many restarts."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{chunk}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)  # a non-negative int64
 
 
 def sample_anchors(

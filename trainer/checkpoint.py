@@ -2,11 +2,12 @@
 
 Layout: `<run_dir>/checkpoints/step-<N>/` with
   drafter.safetensors    the drafter's parameters (fp32 master weights, export tensor names)
-  optimizer.safetensors  AdamW moments per parameter name, plus the RNG states (torch CPU, CUDA, anchor generator)
+  optimizer.safetensors  AdamW moments per parameter name, plus every rank's RNG states (torch CPU, CUDA)
   state.json             drafter config, step, epoch, AdamW scalars, scheduler state, chunks trained per epoch
 and `<run_dir>/checkpoints/latest` naming the newest complete one. A checkpoint is written into a temporary
 folder, fsynced and renamed, and only then does `latest` move (also atomically): a crash at any point leaves the
-previous checkpoint intact.
+previous checkpoint intact. Tensors are full, never sharded: with several ranks, rank 0 writes what
+trainer.parallel gathered from all of them.
 """
 
 from __future__ import annotations
@@ -47,35 +48,77 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(root: str | Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, scheduler,
-         state: TrainState, generator: torch.Generator | None) -> Path:
+@dataclasses.dataclass
+class Saved:
+    """What a checkpoint folder holds, as full (unsharded) tensors on the CPU."""
+    path: Path
+    drafter_config: dict
+    state: TrainState
+    scheduler: dict
+    rng: dict[int, dict[str, torch.Tensor]]  # rank -> its RNG states ("torch", "cuda")
+    weights: dict[str, torch.Tensor]
+    optimizer: dict  # torch.distributed.checkpoint's layout: {"state": {name: {slot: value}}, "param_groups": [...]}
+
+    def check_config(self, config: DrafterConfig) -> None:
+        """A restart must train the drafter the checkpoint holds; otherwise one sentence names the field."""
+        current = dataclasses.asdict(config)
+        changed = sorted(k for k in self.drafter_config.keys() | current.keys() if self.drafter_config.get(k) != current.get(k))
+        if changed:
+            field = changed[0]
+            raise ConfigError(
+                f"The run's checkpoint {self.path} holds a drafter with {field} = {self.drafter_config.get(field)!r} "
+                f"but the config now gives {current.get(field)!r}: configure the run as it was started, or choose "
+                "another run name."
+            )
+
+
+def path_of(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states (training draws its anchors from per-chunk generators; these are kept so that a
+    restart resumes every rank exactly where it was)."""
+    states = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_state(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def save(root: str | Path, drafter_config: DrafterConfig, weights: dict[str, torch.Tensor], optimizer: dict,
+         scheduler: dict, state: TrainState, rng: list[dict[str, torch.Tensor]]) -> Path:
+    """Write a checkpoint atomically from full tensors (`trainer.parallel.full_state`) and every rank's RNG
+    states, in rank order."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state.step:08d}"
+    final = path_of(root, state.step)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
-    names = {id(p): n for n, p in drafter.named_parameters()}
     tensors, scalars = {}, {}
-    for param, slot in optimizer.state.items():
-        name = names[id(param)]
+    for name, slot in optimizer["state"].items():
         for key, value in slot.items():
             if torch.is_tensor(value) and value.dim() > 0:
                 tensors[f"{name}::{key}"] = value.detach().contiguous().cpu()
             else:
                 scalars[f"{name}::{key}"] = float(value)
-    tensors["rng::torch"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        tensors["rng::cuda"] = torch.cuda.get_rng_state()
-    if generator is not None:
-        tensors["rng::anchors"] = generator.get_state().cpu()
-    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, tmp / "drafter.safetensors")
+    for rank, states in enumerate(rng):
+        for kind, value in states.items():
+            tensors[f"rng::{kind}::{rank}"] = value
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "drafter.safetensors")
     save_file(tensors, tmp / "optimizer.safetensors")
     (tmp / "state.json").write_text(json.dumps({
-        "drafter_config": dataclasses.asdict(drafter.config),
+        "drafter_config": dataclasses.asdict(drafter_config),
         "train_state": dataclasses.asdict(state),
         "optimizer_scalars": scalars,
-        "optimizer_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-        "scheduler": scheduler.state_dict(),
+        "optimizer_param_groups": optimizer["param_groups"],
+        "scheduler": scheduler,
     }, indent=1))
     for name in ("drafter.safetensors", "optimizer.safetensors", "state.json"):
         with open(tmp / name, "rb") as f:
@@ -109,39 +152,26 @@ def load_drafter(checkpoint: str | Path, device: str | torch.device = "cpu") -> 
     return drafter.to(device)
 
 
-def restore(checkpoint: str | Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, scheduler,
-            generator: torch.Generator | None) -> TrainState:
-    """Load everything `save` wrote back into live objects; returns the train state."""
+def read(checkpoint: str | Path) -> Saved:
+    """Everything `save` wrote, as full CPU tensors (`trainer.parallel.load_full_state` puts them back)."""
     checkpoint = Path(checkpoint)
     meta = json.loads((checkpoint / "state.json").read_text())
-    saved, current = meta["drafter_config"], dataclasses.asdict(drafter.config)
-    changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
-    if changed:
-        field = changed[0]
-        raise ConfigError(
-            f"The run's checkpoint {checkpoint} holds a drafter with {field} = {saved.get(field)!r} but the config "
-            f"now gives {current.get(field)!r}: configure the run as it was started, or choose another run name."
-        )
-    device = next(drafter.parameters()).device
-    drafter.load_state_dict(load_file(checkpoint / "drafter.safetensors", device=str(device)))
-    tensors = load_file(checkpoint / "optimizer.safetensors")
-    params = dict(drafter.named_parameters())
+    optimizer: dict[str, dict] = {}
+    rng: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(checkpoint / "optimizer.safetensors").items():
+        name, slot, *rank = key.split("::")
+        if name == "rng":  # rng::<kind>::<rank>; checkpoints of the single trainer wrote rng::<kind> (rank 0)
+            rng.setdefault(int(rank[0]) if rank else 0, {})[slot] = value
+        else:
+            optimizer.setdefault(name, {})[slot] = value
     for key, value in meta["optimizer_scalars"].items():
         name, slot = key.split("::")
-        optimizer.state[params[name]][slot] = torch.tensor(value)
-    for key, value in tensors.items():
-        name, slot = key.split("::")
-        if name == "rng":
-            continue
-        optimizer.state[params[name]][slot] = value.to(device)
-    for group, saved in zip(optimizer.param_groups, meta["optimizer_param_groups"]):
-        group.update(saved)
-    scheduler.load_state_dict(meta["scheduler"])
-    torch.set_rng_state(tensors["rng::torch"])
-    if "rng::cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng::cuda"])
-    if generator is not None and "rng::anchors" in tensors:
-        generator.set_state(tensors["rng::anchors"])  # generator states are CPU byte tensors, CUDA ones too
+        optimizer.setdefault(name, {})[slot] = torch.tensor(value)
+    weights = load_file(checkpoint / "drafter.safetensors")
+    # checkpoints of the single trainer kept no parameter names in the group; it held every parameter
+    groups = [{"params": list(weights), **group} for group in meta["optimizer_param_groups"]]
     raw = meta["train_state"]
-    return TrainState(raw["step"], raw["epoch"], {int(k): v for k, v in raw["consumed"].items()},
-                      {int(k): v for k, v in raw["duplicates_skipped"].items()}, raw["tokens"])
+    state = TrainState(raw["step"], raw["epoch"], {int(k): v for k, v in raw["consumed"].items()},
+                       {int(k): v for k, v in raw["duplicates_skipped"].items()}, raw["tokens"])
+    return Saved(checkpoint, meta["drafter_config"], state, meta["scheduler"], rng, weights,
+                 {"state": optimizer, "param_groups": groups})

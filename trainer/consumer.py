@@ -1,6 +1,12 @@
 """The trainer's side of the results stream: a consumer group that re-reads its own pending entries first, claims
 those of dead consumers, then reads new ones; and an acknowledgement that frees the backlog.
 
+Each trainer rank is a consumer of its own stable name (trainer.ranks). A rank claims only entries of consumers
+outside its world: ranks of an earlier, larger world and the single trainer of old (`<host>.trainer`), after they
+lay idle for `train.claim_idle_seconds`. A live rank's pending entries are never claimed by another (XAUTOCLAIM
+would take them: they are trained, and idle while they wait for the checkpoint that lets them be acknowledged),
+and the group restarts together, so every rank re-reads its own on restart.
+
 Entries are acknowledged only after a checkpoint that contains their effect (the daemon's job); acknowledging
 removes the chunk from the backlog (`inflight`) and its bytes from the store budget in one Lua script, so the
 producer and the workers see the space at once. The stream is never trimmed by length.
@@ -9,10 +15,13 @@ producer and the workers see the space at once. The stream is never trimmed by l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 import redis
 
 from dflashq.keys import TRAINER_GROUP, Keys
+
+CLAIM_PAGE = 100  # pending entries looked at per round trip (live ranks hold up to the backlog limit of them)
 
 _ACK = """
 for i, id in ipairs(ARGV) do
@@ -51,10 +60,12 @@ def _entries(raw) -> list[Entry]:
 
 
 class ResultsConsumer:
-    def __init__(self, conn: redis.Redis, keys: Keys, name: str, claim_idle_seconds: float):
+    def __init__(self, conn: redis.Redis, keys: Keys, name: str, claim_idle_seconds: float, live: Collection[str] = ()):
+        """`live`: the consumer names of every rank of this trainer's world (this one among them)."""
         self.conn = conn
         self.keys = keys
         self.name = name
+        self.live = {name, *live}
         self.claim_idle_ms = int(claim_idle_seconds * 1000)
         self._own_pending_done = False
         self._pending_cursor = "0"  # own pending entries are read once each, from the oldest on
@@ -73,12 +84,25 @@ class ResultsConsumer:
                 self._pending_cursor = raw[0][1][-1][0].decode()
                 return _entries(raw[0][1])
             self._own_pending_done = True
-        claimed = self.conn.xautoclaim(self.keys.results, TRAINER_GROUP, self.name, self.claim_idle_ms, "0-0", count=count)
-        entries = _entries(claimed[1])
+        entries = self._claim(count)
         if entries:
             return entries
         raw = self.conn.xreadgroup(TRAINER_GROUP, self.name, {self.keys.results: ">"}, count=count, block=block_ms)
         return _entries(raw[0][1]) if raw else []
+
+    def _claim(self, count: int) -> list[Entry]:
+        """Up to `count` entries that dead consumers left pending, idle for claim_idle_seconds at least. XCLAIM
+        checks the idle time again, so of ranks racing for one entry only the first gets it."""
+        start = "-"
+        while True:
+            page = self.conn.xpending_range(self.keys.results, TRAINER_GROUP, start, "+", CLAIM_PAGE,
+                                            idle=self.claim_idle_ms)
+            dead = [p["message_id"] for p in page if p["consumer"].decode() not in self.live][:count]
+            if dead:
+                return _entries(self.conn.xclaim(self.keys.results, TRAINER_GROUP, self.name, self.claim_idle_ms, dead))
+            if len(page) < CLAIM_PAGE:
+                return []
+            start = b"(" + page[-1]["message_id"]  # exclusive: the live ranks' entries read so far
 
     def ack(self, entries: list[Entry]) -> None:
         if not entries:

@@ -1,12 +1,20 @@
 """`dflashq train`: the trainer daemon. Consumes finished blobs with backpressure and trains each chunk exactly once
-per epoch, even when it is killed.
+per epoch, even when it is killed; on one rank, or on N ranks of one torch.distributed group (trainer.ranks).
 
-One optimizer step per chunk (its samples in micro-batches of at most `train.micro_batch_tokens` padded tokens,
-gradients accumulated). Exactly once: the checkpoint records the chunk ids trained in each epoch; stream entries
-are acknowledged (freeing backlog and store budget, and with retention `delete` removing the blob) only after
-the checkpoint that contains them. After a crash the model rolls back to its checkpoint, and the entries trained
-since then come back as this consumer's pending entries and are trained again; entries of chunks the checkpoint
-already holds are acknowledged and counted as duplicates, never trained twice.
+A step is one optimizer step over `train.chunks_per_step` chunks of every rank (each chunk's samples in
+micro-batches of at most `train.micro_batch_tokens` padded tokens, gradients accumulated, then averaged over the
+ranks by DDP or FSDP). Ranks agree on every step through one gather of what each brings (its chunks, duplicates
+skipped, a stop request; rank 0 adds what it read from Redis: the producer's chunk totals, whether a checkpoint is
+overdue), so all of them take the same decisions from the same state: how many chunks the step averages, the
+epoch, when to checkpoint, when to stop. A rank without a chunk joins the step with an empty batch; when no rank
+holds one, nobody steps.
+
+Exactly once: the checkpoint records the chunk ids trained in each epoch (all ranks'); stream entries are
+acknowledged (freeing backlog and store budget, and with retention `delete` removing the blob) only after the
+checkpoint that contains them: rank 0 writes it, then a barrier, then every rank acknowledges its own. After a
+crash the group rolls back to its checkpoint, every rank re-reads its own pending entries and entries of ranks that
+no longer exist are claimed; they are trained again, and entries of chunks the checkpoint already holds are
+acknowledged and counted as duplicates, never trained twice.
 Checkpoints come every `checkpoint_every_steps` steps or `checkpoint_every_minutes`, and also whenever half the
 backlog limit (or half the store budget) is held unacknowledged, since the producer waits on exactly that.
 """
@@ -15,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import random
 import signal
 import socket
@@ -30,12 +40,14 @@ from dflashq.chunk import micro_batches
 from dflashq.exceptions import BlobError
 from dflashq.run import Run
 from dflashq.target import resolve_dtype
-from trainer import checkpoint
+from trainer import checkpoint, parallel
+from trainer.anchors import chunk_generator
 from trainer.consumer import Entry, ResultsConsumer
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loss import expected_acceptance_length
 from trainer.mask_token import resolve_mask_token
-from trainer.step import WarmupCosine, build_optimizer, collate, train_step
+from trainer.ranks import Ranks
+from trainer.step import WarmupCosine, backward, build_optimizer, collate, empty_batch, optimizer_step
 from trainer.target_head import TargetHead
 
 
@@ -51,13 +63,35 @@ class TrainReport:
     stopped: bool  # True when stopped by a signal or max_steps before the epochs were done
 
 
+@dataclasses.dataclass
+class Offer:
+    """What one rank brings to a step; gathered from every rank, so that each decides alike."""
+    chunks: list[tuple[int, str]]  # (epoch, chunk id) it trains in this step
+    duplicates: dict[int, int]  # per epoch: re-deliveries of checkpointed chunks it acknowledged since its last offer
+    unacknowledged: int  # entries it holds unacknowledged once the step is done
+    stop: bool  # a signal asked it to stop
+    totals: dict[int, int | None]  # rank 0: the chunks of each epoch, once the producer has counted them
+    overdue: bool  # rank 0: checkpoint_every_minutes passed, or half the store budget is held
+
+
+@dataclasses.dataclass
+class RankStats:
+    """What one rank's chunks gave in a step, gathered for the step's record."""
+    losses: list[float]  # per chunk: the mean over its micro-batches
+    correct: list[float]  # [B-1] over its chunks
+    count: list[float]  # [B-1]
+    tokens: int
+
+
 class Trainer:
-    def __init__(self, run: Run, device: str = "cpu", progress: bool = True):
+    def __init__(self, run: Run, device: str = "cpu", progress: bool = True, ranks: Ranks | None = None):
+        """`ranks`: this process's place in a group it has joined (trainer.ranks.Ranks.joined); default one rank."""
         self.run = run
         s = run.settings.train
         self.cfg = s
+        self.ranks = ranks or Ranks()
         self.device = torch.device(device)
-        self.progress = progress
+        self.progress = progress and self.ranks.leader
         model_path = run.settings.model.path
         with open(Path(model_path) / "config.json") as f:
             target_config = json.load(f)
@@ -71,22 +105,24 @@ class Trainer:
                                                   rope_theta=s.rope_theta, **shape)
         first_choice = run.manifest.get("mask_token_id") is None  # recorded only once the config is known valid
         run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id})
-        if first_choice:  # said once per run; the manifest and the export keep it
+        if first_choice and self.ranks.leader:  # said once per run; the manifest and the export keep it
             print(f"MASK token id {mask.id}: {mask.reason} (recorded in the run manifest).", flush=True)
         torch.manual_seed(s.seed)
-        self.drafter = DFlashDrafter(config).to(self.device)  # fp32 master weights
-        # horizon: train.total_steps, else (chunks per epoch x epochs) once the producer has counted an epoch
+        self.drafter = DFlashDrafter(config).to(self.device)  # fp32 master weights, the same on every rank
+        self.model = parallel.wrap(self.drafter, self.ranks, s.parallel, self.device)
+        # horizon: train.total_steps, else the steps left for the chunks left once the producer has counted an epoch
         self.schedule = WarmupCosine(s.warmup_ratio, s.total_steps or 1)
-        self.optimizer, self.scheduler = build_optimizer(self.drafter, s.learning_rate, s.weight_decay, self.schedule)
-        self.generator = torch.Generator(device=self.device).manual_seed(s.seed)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), s.learning_rate, s.weight_decay,
+                                                         self.schedule)
         self.ckpt_root = run.store.path("checkpoints")
         self.state = checkpoint.TrainState()
-        found = checkpoint.latest(self.ckpt_root)
-        if found is not None:
-            self.state = checkpoint.restore(found, self.drafter, self.optimizer, self.scheduler, self.generator)
-        self.consumer = ResultsConsumer(run.conn, run.keys, f"{socket.gethostname()}.trainer", s.claim_idle_seconds)
+        found = self._restore()
+        self.consumer = ResultsConsumer(run.conn, run.keys, self.ranks.consumer, s.claim_idle_seconds,
+                                        live=self.ranks.consumers)
         self.unacked: list[Entry] = []
-        self._store_order: tuple[int, list[str]] = (-1, [])  # retention `keep`: (epoch, its chunks still to train)
+        self.unacked_everywhere = 0  # over all ranks, as of the last step's offers
+        self.duplicates: dict[int, int] = {}  # acknowledged since this rank's last offer
+        self._store_order: tuple[int, list[str]] = (-1, [])  # retention `keep`: (epoch, its chunks in training order)
         self.last_checkpoint = time.monotonic()
         self.steps_at_checkpoint = self.state.step
         self.epoch_at_checkpoint = self.state.epoch
@@ -94,137 +130,241 @@ class Trainer:
         self.stop_requested = False
         self.started = time.time()
         self.steps_at_start = self.state.step
+        self.consumed_at_start = sum(len(v) for v in self.state.consumed.values())
+        self.rank_chunks, self.rank_tokens, self.busy_seconds = 0, 0, 0.0  # this rank, this process: its training rate
         self.log_path = run.store.path(s.log_file)
+        if self.ranks.leader:  # fields of ranks that a larger world of an earlier start left behind
+            stale = [f for f in run.conn.hkeys(run.keys.trainer_ranks) if int(f) >= self.ranks.world_size]
+            if stale:
+                run.conn.hdel(run.keys.trainer_ranks, *stale)
         if found is not None:
-            self._log({"event": "resumed", "step": self.state.step, "checkpoint": str(found)})
+            self._log({"event": "resumed", "step": self.state.step, "checkpoint": str(found),
+                       "ranks": self.ranks.world_size})
+
+    def _restore(self) -> Path | None:
+        """Load the latest checkpoint, read by rank 0 alone (the other ranks may not see its folder) and broadcast."""
+        saved = None
+        if self.ranks.leader:
+            found = checkpoint.latest(self.ckpt_root)
+            saved = checkpoint.read(found) if found is not None else None
+        # the small part to every rank; the tensors go through torch.distributed.checkpoint's broadcast
+        meta = self.ranks.from_leader(dataclasses.replace(saved, weights={}, optimizer={}) if saved else None)
+        if meta is None:
+            return None
+        meta.check_config(self.drafter.config)
+        parallel.load_full_state(self.model, self.optimizer, self.ranks, saved.weights if saved else {},
+                                 saved.optimizer if saved else {})
+        self.scheduler.load_state_dict(meta.scheduler)
+        checkpoint.set_rng_state(meta.rng.get(self.ranks.rank, {}), self.device)  # a new rank keeps its fresh one
+        self.state = meta.state
+        return meta.path
 
     # --- epochs -------------------------------------------------------------------------------------------
-    def _epoch_total(self, epoch: int) -> int | None:
-        raw = self.run.conn.get(self.run.keys.epoch_total(epoch if self.run.settings.store.retention == "delete" else 0))
-        return int(raw) if raw is not None else None
+    def _epoch_totals(self) -> dict[int, int | None]:
+        """Chunks per epoch as the producer counted them (None until it has seen the whole epoch); with retention
+        `keep` every epoch trains epoch 0's chunks."""
+        epochs = range(self.cfg.epochs)
+        key = (lambda e: e) if self.run.settings.store.retention == "delete" else (lambda e: 0)
+        raw = self.run.conn.mget([self.run.keys.epoch_total(key(e)) for e in epochs])
+        return {e: int(v) if v is not None else None for e, v in zip(epochs, raw)}
 
-    def _epoch_done(self, epoch: int) -> bool:
-        total = self._epoch_total(epoch)
-        return total is not None and len(self.state.consumed_in(epoch)) >= total
+    def _advance_epoch(self, totals: dict[int, int | None]) -> None:
+        """From rank 0's totals, so that every rank moves on at the same step."""
+        def done(epoch):
+            return totals[epoch] is not None and len(self.state.consumed_in(epoch)) >= totals[epoch]
 
-    def _advance_epoch(self) -> None:
-        while self.state.epoch < self.cfg.epochs and self._epoch_done(self.state.epoch):
+        while self.state.epoch < self.cfg.epochs and done(self.state.epoch):
             self.state.epoch += 1
-        per_epoch = self._epoch_total(0)
-        if per_epoch and not self.cfg.total_steps:
-            self.schedule.total = max(self.schedule.total, per_epoch * self.cfg.epochs)
+        if totals.get(0) and not self.cfg.total_steps:
+            left = totals[0] * self.cfg.epochs - sum(len(v) for v in self.state.consumed.values())
+            per_step = self.ranks.world_size * self.cfg.chunks_per_step
+            self.schedule.total = max(1, self.state.step + math.ceil(max(0, left) / per_step))
 
     @property
     def finished(self) -> bool:
         return self.state.epoch >= self.cfg.epochs
 
     # --- sources of chunks ----------------------------------------------------------------------------------
-    def _next_entries(self) -> list[Entry]:
-        """Stream entries (every epoch with retention `delete`, epoch 0 with `keep`), or with `keep` after epoch
-        0, the epoch-0 blobs from the store in a per-epoch shuffled order."""
-        keep = self.run.settings.store.retention == "keep"
-        if keep and self.state.epoch > 0:
-            epoch = self.state.epoch
-            if self._store_order[0] != epoch:  # once per epoch, not per step: its order, less what is trained
-                done = set(self.state.consumed_in(epoch))
-                order = sorted(self.state.consumed_in(0))
-                random.Random(self.cfg.seed + epoch).shuffle(order)
-                self._store_order = (epoch, [c for c in reversed(order) if c not in done])  # reversed: pop() takes the next
-            remaining = self._store_order[1]
-            if not remaining:
-                return []
-            chunk = remaining.pop()
-            return [Entry("", chunk, self.run.store.blob_path(chunk, 0), epoch, 0)]
-        return self.consumer.read(count=1, block_ms=1000)
+    def _take(self) -> list[Entry]:
+        """This rank's chunks for the next step, up to train.chunks_per_step: stream entries (every epoch with
+        retention `delete`, epoch 0 with `keep`), or with `keep` after epoch 0 its share of the epoch-0 blobs in the
+        epoch's shuffled order. Re-deliveries of chunks the checkpoint already holds (a crash between checkpoint
+        and ack) are acknowledged at once, blob and all, and counted as duplicates."""
+        if self.stop_requested:
+            return []
+        if self.run.settings.store.retention == "keep" and self.state.epoch > 0:
+            return self._store_share()
+        held: list[Entry] = []
+        while len(held) < self.cfg.chunks_per_step:
+            entries = self.consumer.read(count=self.cfg.chunks_per_step - len(held), block_ms=1000)
+            if not entries:
+                break
+            for entry in entries:
+                if entry.chunk in self.state.consumed_in(entry.epoch):
+                    self.duplicates[entry.epoch] = self.duplicates.get(entry.epoch, 0) + 1
+                    self._delete_blobs([entry])
+                    self._ack([entry])
+                else:
+                    held.append(entry)
+        return held
+
+    def _store_share(self) -> list[Entry]:
+        epoch = self.state.epoch
+        if self._store_order[0] != epoch:  # once per epoch, not per step
+            order = sorted(self.state.consumed_in(0))
+            random.Random(self.cfg.seed + epoch).shuffle(order)
+            self._store_order = (epoch, order)
+        done = set(self.state.consumed_in(epoch))
+        k = self.cfg.chunks_per_step
+        step = [c for c in self._store_order[1] if c not in done][:self.ranks.world_size * k]  # alike on every rank
+        mine = step[self.ranks.rank * k:(self.ranks.rank + 1) * k]
+        return [Entry("", chunk, self.run.store.blob_path(chunk, 0), epoch, 0) for chunk in mine]
 
     # --- training -------------------------------------------------------------------------------------------
-    def _train_chunk(self, entry: Entry) -> tuple[float, list[float], float, float, float, int]:
-        """One optimizer step over the chunk's samples; returns loss, per-slot accuracy, EAL, lr, grad norm, tokens."""
-        # on the training device: an fp8 blob crosses as 1-byte values and is dequantized there
-        samples = list(decode_blob(self.run.store.read(entry.path)).samples(self.device))
+    def _offer(self, held: list[Entry]) -> Offer:
+        duplicates, self.duplicates = self.duplicates, {}
+        leader = self.ranks.leader
+        return Offer([(e.epoch, e.chunk) for e in held], duplicates, len(self.unacked) + sum(1 for e in held if e.id),
+                     self.stop_requested, self._epoch_totals() if leader else {}, leader and self._overdue())
+
+    def _train(self, held: list[Entry], chunks_in_step: int) -> tuple[RankStats, float, float]:
+        """This rank's part of one optimizer step; returns its stats, and the step's learning rate and gradient
+        norm (alike on every rank). Each chunk's loss is scaled by world_size / chunks_in_step, so the average over
+        ranks that DDP (or FSDP) takes of the gradients is their mean over the step's chunks; without a chunk the
+        rank trains an empty batch, so that the gradient collectives run on every rank."""
+        started = time.perf_counter()
+        scale = self.ranks.world_size / chunks_in_step
+        slots = self.drafter.config.block_size - 1
+        losses, correct, count, tokens = [], torch.zeros(slots), torch.zeros(slots), 0
+        if not held:
+            with parallel.gradient_sync(self.model, True):
+                backward(self.model, self.drafter.config, self.head, empty_batch(self.drafter.config, self.device),
+                         num_anchors=self.cfg.num_anchors, loss_chunk_rows=self.cfg.loss_chunk_rows,
+                         attention=self.cfg.attention)
+        for i, entry in enumerate(held):
+            loss, chunk_correct, chunk_count, chunk_tokens = self._train_chunk(entry, scale, i == len(held) - 1)
+            losses.append(loss)
+            correct, count, tokens = correct + chunk_correct, count + chunk_count, tokens + chunk_tokens
+        lr, grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
+        self.busy_seconds += time.perf_counter() - started
+        self.rank_chunks += len(held)
+        self.rank_tokens += tokens
+        return RankStats(losses, correct.tolist(), count.tolist(), tokens), lr, grad_norm
+
+    def _train_chunk(self, entry: Entry, scale: float, last: bool) -> tuple[float, torch.Tensor, torch.Tensor, int]:
+        """Forward and backward of one chunk's micro-batches, the chunk's loss (their mean) scaled by `scale`; only
+        the step's last backward (`last`: of its last chunk) communicates. Returns loss, correct and valid rows per
+        slot [B-1], tokens."""
+        try:  # on the training device: an fp8 blob crosses as 1-byte values and is dequantized there
+            samples = list(decode_blob(self.run.store.read(entry.path)).samples(self.device))
+        except (BlobError, FileNotFoundError) as exc:
+            self._log({"event": "unreadable blob", "chunk": entry.chunk, "error": str(exc)})
+            raise
         lengths = [int(ids.shape[0]) for _, ids, _ in samples]
         groups = micro_batches(lengths, self.cfg.micro_batch_tokens)
+        generator = chunk_generator(self.cfg.seed, entry.epoch, entry.chunk, self.device)
         loss, correct, count = 0.0, 0, 0
-        for i, group in enumerate(groups):
-            stats = train_step(self.drafter, self.head, collate([samples[j] for j in group], self.device),
-                               self.optimizer, self.scheduler, num_anchors=self.cfg.num_anchors,
-                               grad_clip=self.cfg.grad_clip, loss_chunk_rows=self.cfg.loss_chunk_rows,
-                               generator=self.generator, accumulate=len(groups), apply=i == len(groups) - 1,
-                               attention=self.cfg.attention)
-            loss += stats.loss / len(groups)
-            correct, count = correct + stats.correct, count + stats.count
-        acc = correct / count.clamp_min(1)  # [B-1] over the whole chunk
-        return loss, acc.tolist(), float(expected_acceptance_length(acc)), stats.lr, stats.grad_norm, sum(lengths)
+        for j, group in enumerate(groups):
+            with parallel.gradient_sync(self.model, last and j == len(groups) - 1):
+                out = backward(self.model, self.drafter.config, self.head,
+                               collate([samples[n] for n in group], self.device), num_anchors=self.cfg.num_anchors,
+                               loss_chunk_rows=self.cfg.loss_chunk_rows, generator=generator,
+                               scale=scale / len(groups), attention=self.cfg.attention)
+            loss += float(out.loss.detach()) / len(groups)
+            correct, count = correct + out.correct.detach().cpu(), count + out.count.detach().cpu()
+        return loss, correct, count, sum(lengths)
+
+    def _step(self, held: list[Entry], offers: list[Offer]) -> dict:
+        """Train the agreed step on every rank and record it alike everywhere; returns the step's record."""
+        chunks = [chunk for offer in offers for chunk in offer.chunks]
+        mine, lr, grad_norm = self._train(held, len(chunks))
+        everyone = self.ranks.gather(mine)
+        losses = [loss for s in everyone for loss in s.losses]
+        correct = torch.tensor([s.correct for s in everyone]).sum(0)  # [B-1]
+        count = torch.tensor([s.count for s in everyone]).sum(0)  # [B-1]
+        acc = correct / count.clamp_min(1)  # [B-1] over the whole step
+        tokens = sum(s.tokens for s in everyone)
+        self.state.step += 1
+        self.state.tokens += tokens
+        for epoch, chunk in chunks:
+            self.state.consumed_in(epoch).append(chunk)
+        self.unacked += [e for e in held if e.id]
+        record = {"step": self.state.step, "epoch": chunks[0][0], "chunks": [c for _, c in chunks],
+                  "loss": sum(losses) / len(losses), "acc": acc.tolist(), "eal": float(expected_acceptance_length(acc)),
+                  "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "time": time.time()}
+        self._log(record)
+        self._publish(loss=record["loss"], eal=record["eal"], lr=record["lr"])
+        return record
 
     def _log(self, record: dict) -> None:
-        if self.run.store.remote:
+        if self.run.store.remote or not self.ranks.leader:
             return
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def _publish(self, **extra) -> None:
-        s = self.state
+        """Rank 0: the run's trainer status (as the single trainer published it); every rank: its own entry under
+        trainer_ranks, with its training rate (tokens per second spent training, not waiting for chunks)."""
+        run, s = self.run, self.state
+        rank = {"rank": self.ranks.rank, "consumer": self.ranks.consumer, "host": socket.gethostname(),
+                "device": str(self.device), "pid": os.getpid(), "chunks": self.rank_chunks, "tokens": self.rank_tokens,
+                "busy_tokens_per_second": self.rank_tokens / self.busy_seconds if self.busy_seconds else None,
+                "unacknowledged": len(self.unacked), "updated": time.time()}
+        run.conn.hset(run.keys.trainer_ranks, str(self.ranks.rank), json.dumps(rank))
+        if not self.ranks.leader:
+            return
+        consumed_total = sum(len(v) for v in s.consumed.values())
         data = {"step": s.step, "epoch": s.epoch, "epochs": self.cfg.epochs,
                 "consumed": len(s.consumed_in(s.epoch)) if not self.finished else len(s.consumed_in(self.cfg.epochs - 1)),
-                "consumed_total": sum(len(v) for v in s.consumed.values()),
+                "consumed_total": consumed_total, "chunks_since_start": consumed_total - self.consumed_at_start,
                 "duplicates_skipped": sum(s.duplicates_skipped.values()), "tokens": s.tokens,
-                "unacknowledged": len(self.unacked), "checkpoint": self.last_checkpoint_path,
+                "unacknowledged": self.unacked_everywhere, "checkpoint": self.last_checkpoint_path,
                 "updated": time.time(), "started": self.started, "steps_since_start": s.step - self.steps_at_start,
+                "ranks": self.ranks.world_size, "parallel": self.cfg.parallel if self.ranks.distributed else None,
                 **extra}
-        self.run.conn.hset(self.run.keys.trainer, mapping={k: json.dumps(v) for k, v in data.items()})
+        run.conn.hset(run.keys.trainer, mapping={k: json.dumps(v) for k, v in data.items()})
 
-    def _checkpoint_due(self) -> bool:
-        if self.state.step == self.steps_at_checkpoint:
-            return False
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def _overdue(self) -> bool:
         bp = self.run.settings.backpressure
         held_bytes = int(self.run.conn.get(self.run.keys.store_bytes) or 0)
-        return (self.state.step - self.steps_at_checkpoint >= max(1, self.cfg.checkpoint_every_steps)
-                or time.monotonic() - self.last_checkpoint >= 60 * self.cfg.checkpoint_every_minutes
-                or len(self.unacked) >= max(1, bp.max_backlog // 2)
+        return (time.monotonic() - self.last_checkpoint >= 60 * self.cfg.checkpoint_every_minutes
                 or held_bytes >= bp.max_store_bytes // 2)
 
+    def _checkpoint_due(self, offers: list[Offer]) -> bool:
+        if self.state.step == self.steps_at_checkpoint:
+            return False
+        return (self.state.step - self.steps_at_checkpoint >= max(1, self.cfg.checkpoint_every_steps)
+                or offers[0].overdue
+                or self.unacked_everywhere >= max(1, self.run.settings.backpressure.max_backlog // 2))
+
+    def save_checkpoint(self) -> str:
+        """Write the group's checkpoint: collective (every rank calls it), rank 0 writes, and every rank returns
+        once the checkpoint exists."""
+        weights, optimizer = parallel.full_state(self.model, self.optimizer)
+        rng = self.ranks.gather(checkpoint.rng_state(self.device))
+        if self.ranks.leader:
+            checkpoint.save(self.ckpt_root, self.drafter.config, weights, optimizer, self.scheduler.state_dict(),
+                            self.state, rng)
+        self.ranks.barrier()  # no rank acknowledges an entry before the checkpoint holding it exists
+        return str(checkpoint.path_of(self.ckpt_root, self.state.step))
+
     def checkpoint_and_ack(self) -> None:
-        path = checkpoint.save(self.ckpt_root, self.drafter, self.optimizer, self.scheduler, self.state, self.generator)
-        self.last_checkpoint_path = str(path)
-        if self.run.settings.store.retention == "delete":
-            for entry in self.unacked:  # trained and checkpointed: the blob has done its work
-                self.run.store.delete(entry.path)
+        self.last_checkpoint_path = self.save_checkpoint()
+        self._delete_blobs(self.unacked)  # trained and checkpointed: the blob has done its work
         self._ack(self.unacked)
-        self.unacked = []
+        self.unacked, self.unacked_everywhere = [], 0  # every rank acknowledges with it
         self.last_checkpoint = time.monotonic()
         self.steps_at_checkpoint = self.state.step
         self.epoch_at_checkpoint = self.state.epoch
 
+    def _delete_blobs(self, entries: list[Entry]) -> None:
+        if self.run.settings.store.retention == "delete":
+            for entry in entries:
+                self.run.store.delete(entry.path)
+
     def _ack(self, entries: list[Entry]) -> None:
         self.consumer.ack([e for e in entries if e.id])
-
-    def _handle(self, entry: Entry, on_step) -> None:
-        epoch_done = self.state.consumed_in(entry.epoch)
-        if any(e.chunk == entry.chunk and e.epoch == entry.epoch for e in self.unacked):
-            return  # trained since the last checkpoint and re-delivered (claimed back): acknowledged with it
-        if entry.chunk in epoch_done:
-            # already in the checkpoint: a re-delivery after a crash between checkpoint and ack
-            # (its effect is already saved, so it is acknowledged at once, blob and all)
-            self.state.duplicates_skipped[entry.epoch] = self.state.duplicates_skipped.get(entry.epoch, 0) + 1
-            if self.run.settings.store.retention == "delete":
-                self.run.store.delete(entry.path)
-            self._ack([entry])
-            return
-        try:
-            loss, acc, eal, lr, grad_norm, tokens = self._train_chunk(entry)
-        except (BlobError, FileNotFoundError) as exc:
-            self._log({"event": "unreadable blob", "chunk": entry.chunk, "error": str(exc)})
-            raise
-        self.state.step += 1
-        self.state.tokens += tokens
-        epoch_done.append(entry.chunk)
-        if entry.id:
-            self.unacked.append(entry)
-        record = {"step": self.state.step, "epoch": entry.epoch, "chunk": entry.chunk, "loss": loss, "acc": acc,
-                  "eal": eal, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "time": time.time()}
-        self._log(record)
-        self._publish(loss=loss, eal=eal, lr=lr)
-        on_step(record)
 
     def run_until_done(self, max_steps: int | None = None) -> TrainReport:
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -234,26 +374,28 @@ class Trainer:
         try:
             with Progress(*columns, disable=not self.progress) as bar:
                 task = bar.add_task("train", total=None, status="waiting for blobs")
-
-                def on_step(record):
-                    last.update(record)
-                    total = self._epoch_total(0)
-                    bar.update(task, completed=self.state.step, total=total * self.cfg.epochs if total else None,
-                               status=f"epoch {self.state.epoch} loss {record['loss']:.3f} EAL {record['eal']:.2f}")
-
-                self._advance_epoch()
+                self._advance_epoch(self.ranks.from_leader(self._epoch_totals() if self.ranks.leader else None))
                 self._publish()
                 steps_this_run = 0
-                while not self.finished and not self.stop_requested:
-                    if max_steps is not None and steps_this_run >= max_steps:
+                while not self.finished and (max_steps is None or steps_this_run < max_steps):
+                    held = self._take()
+                    offers = self.ranks.gather(self._offer(held))
+                    self.unacked_everywhere = sum(offer.unacknowledged for offer in offers)
+                    for offer in offers:
+                        for epoch, n in offer.duplicates.items():
+                            self.state.duplicates_skipped[epoch] = self.state.duplicates_skipped.get(epoch, 0) + n
+                    if any(offer.chunks for offer in offers):  # else nobody steps
+                        last = self._step(held, offers)
+                        steps_this_run += 1
+                    self._advance_epoch(offers[0].totals)
+                    if last:
+                        counted = offers[0].totals.get(0) or self.cfg.total_steps
+                        bar.update(task, completed=self.state.step, total=self.schedule.total if counted else None,
+                                   status=f"epoch {self.state.epoch} loss {last['loss']:.3f} EAL {last['eal']:.2f}")
+                    if any(offer.stop for offer in offers):
                         break
-                    for entry in self._next_entries():
-                        before = self.state.step
-                        self._handle(entry, on_step)
-                        steps_this_run += self.state.step - before
-                        if self._checkpoint_due():
-                            self.checkpoint_and_ack()
-                    self._advance_epoch()
+                    if self._checkpoint_due(offers):
+                        self.checkpoint_and_ack()
                 # the last state, with the epoch counter past the finished epoch, is what a restart must see
                 if (self.state.step, self.state.epoch) != (self.steps_at_checkpoint, self.epoch_at_checkpoint):
                     self.checkpoint_and_ack()
@@ -267,5 +409,5 @@ class Trainer:
                            stopped=not self.finished)
 
     def _request_stop(self, signum, frame) -> None:
-        # finish the current step, checkpoint, acknowledge, exit
+        # every rank finishes the current step, then one checkpoint, acknowledgements, exit
         self.stop_requested = True

@@ -1,4 +1,5 @@
-"""One optimisation step of the drafter, shared by the trainer daemon and the benchmark.
+"""One optimisation step of the drafter, shared by the trainer daemon and the benchmark: `backward` per
+(micro-)batch, then `optimizer_step`.
 
 fp32 master weights (the drafter's parameters stay fp32 and AdamW updates them in fp32) with bf16 compute under
 autocast on the GPU; on the CPU everything runs in fp32. Warm-up then cosine decay, gradient clipping.
@@ -10,11 +11,11 @@ import dataclasses
 import math
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from trainer.anchors import gather_blocks, sample_anchors
-from trainer.drafter import Attention, DFlashDrafter
-from trainer.loss import dflash_loss
+from trainer.drafter import Attention, DFlashDrafter, DrafterConfig
+from trainer.loss import DFlashLoss, dflash_loss
 from trainer.target_head import TargetHead
 
 
@@ -62,9 +63,18 @@ class WarmupCosine:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(drafter: DFlashDrafter, lr: float, weight_decay: float, schedule: WarmupCosine):
+def empty_batch(config: DrafterConfig, device: torch.device | str) -> Batch:
+    """A sequence without a supervised token: zero loss and zero gradient, yet a forward and backward through
+    every parameter (what a rank without a chunk trains, so that the gradient collectives run on every rank)."""
+    length = config.block_size
+    return Batch(torch.zeros(1, length, config.num_tapped * config.hidden_size, device=device),  # [1, T, K*H]
+                 torch.zeros(1, length, dtype=torch.long, device=device),  # [1, T]
+                 torch.zeros(1, length, dtype=torch.uint8, device=device))  # [1, T]
+
+
+def build_optimizer(parameters, lr: float, weight_decay: float, schedule: WarmupCosine):
     """AdamW over the drafter's (fp32) parameters, and its LambdaLR scheduler following `schedule`."""
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
@@ -79,27 +89,39 @@ class StepStats:
     grad_norm: float
 
 
-def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer, scheduler, *, num_anchors: int,
-               grad_clip: float, loss_chunk_rows: int, generator: torch.Generator | None = None,
-               accumulate: int = 1, apply: bool = True, attention: Attention = "auto") -> StepStats:
-    """Forward and backward of one (micro-)batch; with `apply`, also clip, step the optimizer and the schedule.
-    Micro-batches of one step pass accumulate = their number, and apply=True on the last one only."""
-    cfg = drafter.config
+def backward(model: nn.Module, config: DrafterConfig, head: TargetHead, batch: Batch, *, num_anchors: int,
+             loss_chunk_rows: int, generator: torch.Generator | None = None, scale: float = 1.0,
+             attention: Attention = "auto") -> DFlashLoss:
+    """Forward and backward of one (micro-)batch through `model` (the drafter, or its DDP / FSDP form), the
+    gradient of `scale` x its loss accumulated into the parameters."""
     anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator)  # [b, N] x2
     block_ids, targets, slot_valid = gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid,
-                                                   cfg.block_size, cfg.mask_token_id)  # [b, N, B] x3
+                                                   config.block_size, config.mask_token_id)  # [b, N, B] x3
     on_gpu = batch.context.is_cuda
     with torch.autocast(device_type=batch.context.device.type, dtype=torch.bfloat16, enabled=on_gpu):
-        hidden = drafter(batch.context, block_ids, anchors, head, attention)  # [b, N, B, H]
+        hidden = model(batch.context, block_ids, anchors, head, attention)  # [b, N, B, H]
     # the head runs in its own dtype (bf16 on GPU): never a converted copy of the [V, H] matrix per step
     out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, targets, slot_valid, chunk_rows=loss_chunk_rows)
-    (out.loss / accumulate).backward()
+    (out.loss * scale).backward()
+    return out
+
+
+def optimizer_step(model: nn.Module, optimizer, scheduler, grad_clip: float) -> tuple[float, float]:
+    """Clip, step the optimizer and the schedule; returns the step's learning rate and its gradient norm."""
     lr = scheduler.get_last_lr()[0]
-    grad_norm = float("nan")
-    if apply:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm
+
+
+def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer, scheduler, *, num_anchors: int,
+               grad_clip: float, loss_chunk_rows: int, generator: torch.Generator | None = None,
+               attention: Attention = "auto", model: nn.Module | None = None) -> StepStats:
+    """One batch, one optimizer step (the benchmark's step); `model` is the drafter's DDP form on several ranks."""
+    out = backward(model or drafter, drafter.config, head, batch, num_anchors=num_anchors,
+                   loss_chunk_rows=loss_chunk_rows, generator=generator, attention=attention)
+    lr, grad_norm = optimizer_step(model or drafter, optimizer, scheduler, grad_clip)
     return StepStats(float(out.loss.detach()), out.acc.tolist(), float(out.eal), out.correct.detach().cpu(),
                      out.count.detach().cpu(), lr, grad_norm)

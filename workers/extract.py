@@ -84,6 +84,7 @@ class Extractor:
         self._lock = threading.Lock()
         self.tokens_done = 0
         self.first_start: float | None = None
+        self.busy_seconds = 0.0  # in jobs, less waiting for the store budget: what `up` balances GPUs by
         _active = self
 
     def chunk_bytes(self, tokens: int) -> int:
@@ -142,6 +143,7 @@ class Extractor:
         if self.first_start is None:
             self.first_start = time.perf_counter()
         self._reserve(chunk)
+        busy_from = time.perf_counter()
         try:
             states = self._forward(chunk)  # per sample [T_i, K, H] on the device
         except BaseException:
@@ -168,6 +170,9 @@ class Extractor:
         for f in [f for f in self.pending if f.done()]:
             f.result()  # surface a failed write of an earlier chunk
         self.pending = [f for f in self.pending if not f.done()] + [future]
+        # the GPU work a job queues is done by the time a later job has waited for its writes: over many jobs this
+        # is the time the device was busy
+        self.busy_seconds += time.perf_counter() - busy_from
         return {"chunk": chunk.id, "tokens": chunk.tokens, "samples": len(chunk.samples)}
 
     # --- writer thread ------------------------------------------------------------------------------------
@@ -210,7 +215,9 @@ class Extractor:
             self.tokens_done += chunk.tokens
             elapsed = max(time.perf_counter() - self.first_start, 1e-9)
             run.conn.hset(keys.workers, self.worker_name, json.dumps({
-                "tokens_done": self.tokens_done, "tokens_per_second": self.tokens_done / elapsed, "updated": time.time(),
+                "tokens_done": self.tokens_done, "tokens_per_second": self.tokens_done / elapsed,
+                "busy_tokens_per_second": self.tokens_done / self.busy_seconds if self.busy_seconds else None,
+                "updated": time.time(),
             }))
 
     def flush(self) -> None:

@@ -54,21 +54,26 @@ def status(settings, as_json, watch):
 # --- the whole pipeline -------------------------------------------------------------------------------------
 @click.command()
 @run_options
-@click.option("--workers", "num_workers", type=int, help="CPU workers (default: one worker per visible GPU).")
-@click.option("--trainer-device", default=None, help="Trainer device (default: cuda:0 with GPUs, else cpu).")
+@click.option("--workers", "num_workers", type=int, help="CPU workers (default: a worker on each GPU the trainer does not take).")
+@click.option("--trainer-device", default=None, help="Trainer device; workers then run on every GPU (default: --trainer-gpus).")
+@click.option("--trainer-gpus", type=int, default=None,
+              help="GPUs for the trainer's ranks, the others run workers (default: balanced from measured rates).")
 @click.option("--no-live", is_flag=True, help="No live status view (logs, CI).")
-def up(settings, num_workers, trainer_device, no_live):
-    """Run everything supervised: producer, one worker per GPU (or --workers N on CPU), trainer; then export."""
+def up(settings, num_workers, trainer_device, trainer_gpus, no_live):
+    """Run everything supervised: producer, workers (on GPUs, or --workers N on CPU), trainer ranks; then export."""
     import torch
 
+    from ops.placement import place
     from ops.supervisor import Supervisor
     from trainer import checkpoint
     from trainer.export import export_checkpoint
 
     run = open_run(settings)
-    gpus = torch.cuda.device_count()
-    workers = [("cpu", i) for i in range(num_workers or 1)] if num_workers or not gpus else [("cuda", i) for i in range(gpus)]
-    supervisor = Supervisor(run, workers, trainer_device or ("cuda:0" if gpus else "cpu"), Path(run.store.path("logs")), console)
+    placement = place(run, torch.cuda.device_count(), num_workers, trainer_device, trainer_gpus)
+    if placement.note:
+        console.print(placement.note)
+    supervisor = Supervisor(run, placement.workers, placement.trainer_args, Path(run.store.path("logs")), console,
+                            trainer_env=placement.trainer_env)
     done = supervisor.run_until_done(live=not no_live)
     exported = None
     latest = checkpoint.latest(run.store.path("checkpoints"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -10,24 +11,50 @@ from rich.table import Table
 
 from dflashq.exceptions import DflashqError
 from ops.cli.options import console, run_options
-from ops.redis_server import open_run
+from ops.redis_server import open_run, resolve_url
 
 # --- trainer ------------------------------------------------------------------------------------------------
 @click.command()
 @run_options
-@click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when a GPU is visible).")
+@click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when a GPU is visible); ranks on GPUs take cuda:LOCAL_RANK.")
+@click.option("--ranks", type=click.IntRange(min=1), default=None,
+              help="Train one drafter on N ranks of this node through torch's launcher (under torchrun: leave it out).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --ranks: times the group is started again after a rank died (from its checkpoint).")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many steps (then checkpoint).")
 @click.option("--no-progress", is_flag=True)
-def train(settings, device, max_steps, no_progress):
+def train(settings, device, ranks, max_restarts, max_steps, no_progress):
     """Run the trainer daemon: consume blobs, train the drafter, checkpoint, until the epochs are done."""
+    from dflashq.compile_cache import use_run_cache
+    from dflashq.store import Store
+
+    use_run_cache(Store(settings.store.path, settings.run))  # before anything compiles: a restart reuses the kernels
     import torch
 
+    from dflashq.exceptions import ConfigError
     from trainer.daemon import Trainer
+    from trainer.ranks import Ranks, launched
 
-    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    report = Trainer(open_run(settings), device, progress=not no_progress).run_until_done(max_steps)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if ranks is not None and launched():
+        raise ConfigError("This trainer is already a rank of a torch launcher (RANK, WORLD_SIZE, LOCAL_RANK and "
+                          "MASTER_ADDR are set): leave out --ranks, the launcher's --nproc-per-node gives their number.")
+    if ranks is not None and ranks > 1:
+        from ops.launch import launch_ranks
+
+        settings.redis.url = resolve_url(settings)
+        args = ["--device", device, *(["--max-steps", str(max_steps)] if max_steps is not None else []),
+                *(["--no-progress"] if no_progress else [])]
+        sys.exit(launch_ranks(settings, ranks, args, max_restarts))
+    me = Ranks.from_environment()
+    device = me.device(device)
+    with me.joined(device, settings.train.rank_timeout_seconds):
+        report = Trainer(open_run(settings), str(device), progress=not no_progress, ranks=me).run_until_done(max_steps)
+    if not me.leader:  # rank 0 reports for the group
+        return
     table = Table(title=f"trainer of run '{settings.run}'" + (" (stopped)" if report.stopped else " (done)"), show_header=False)
     table.add_row("steps", str(report.steps))
+    table.add_row("ranks", str(me.world_size))
     table.add_row("epochs done", f"{report.epochs_done} / {settings.train.epochs}")
     for epoch in sorted(report.consumed):
         table.add_row(f"epoch {epoch}", f"{report.consumed[epoch]} chunks trained, {report.duplicates_skipped.get(epoch, 0)} duplicates skipped")

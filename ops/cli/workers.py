@@ -23,6 +23,10 @@ def worker(settings, gpu, device, index, burst):
     """Run one long-lived extraction worker: loads the target once, then extracts chunks until stopped."""
     import logging
 
+    from dflashq.compile_cache import use_run_cache
+    from dflashq.store import Store
+
+    use_run_cache(Store(settings.store.path, settings.run))  # before the kernels load: a restart skips their autotuning
     from workers.worker import EXIT_RESTART, ExtractionWorker, worker_name
 
     if gpu is None and device is None:
