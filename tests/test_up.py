@@ -71,8 +71,18 @@ def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_pat
         assert cli("restart-worker", f"{HOST}.cpu0", "--config", str(config)).returncode == 0
         # The cold restart goes through the Python API: the CLI's start-up (seconds on two loaded cores) could
         # outlast the chunk, and a --now request read between chunks rightly has nothing to give back.
-        wait_busy(conn, f"{HOST}.cpu1", up)
-        control.restart_worker(Run.open(load_settings(config), join=False), f"{HOST}.cpu1", now=True)
+        # A chunk may end between seeing the worker busy and the worker reading the request (its heartbeat does):
+        # then it rightly gives nothing back, so ask again, a few times, until one restart lands mid-chunk.
+        log = Path(tmp_path / "store" / "up" / "logs" / f"{HOST}.cpu1.log")
+        for attempt in range(1, 4):
+            wait_busy(conn, f"{HOST}.cpu1", up)
+            control.restart_worker(Run.open(load_settings(config), join=False), f"{HOST}.cpu1", now=True)
+            deadline = time.monotonic() + 60
+            while log.read_text().count("restart now requested") < attempt and up.poll() is None:
+                assert time.monotonic() < deadline, "the --now restart was never taken"
+                time.sleep(0.05)
+            if int(conn.get(keys.requeued) or 0) or up.poll() is not None:
+                break
         out, err = up.communicate(timeout=900)
     finally:
         if up.poll() is None:
