@@ -284,9 +284,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     state_file = work / "state.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    if args.eval_shard is not None:  # the parent wrote run.toml: shards rewriting it at once would read it torn
+        return eval_shard(work, args, settings_module.load(work / "run.toml"))
     settings = settings_module.load(write_config(work, args))
-    if args.eval_shard is not None:
-        return eval_shard(work, args, settings)
     for phase in PHASES:
         if phase in state:
             print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)
