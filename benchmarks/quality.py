@@ -201,6 +201,7 @@ def eval_shard(work: Path, args, settings) -> None:
     if out.exists():
         return
     drafter = work / "runs" / "quality" / f"drafter-{checkpoint.latest(work / 'runs' / 'quality' / 'checkpoints').name}"
+    reference_generate = reference_loop(settings.model.path, drafter, args.eval_tokens, args.device)
     result = {}
     for name, prompts in eval_prompt_sets(args).items():
         mine = prompts[shard::count]  # global index shard + j * count, so the checked ones come first
@@ -208,8 +209,7 @@ def eval_shard(work: Path, args, settings) -> None:
         started = time.perf_counter()
         ours = evaluate_prompts(settings.model.path, drafter, mine, args.eval_tokens, args.device, checked)["prompts"]
         middle = time.perf_counter()
-        reference = [reference_generate(settings.model.path, drafter, prompt, args.eval_tokens, args.device)
-                     for prompt in mine]
+        reference = [reference_generate(prompt) for prompt in mine]
         result[name] = {"rows": [{"dflashq": o, "reference_tau": tau, "reference_text": text}
                                  for o, (tau, text) in zip(ours, reference)],
                         "dflashq_seconds": middle - started, "reference_seconds": time.perf_counter() - middle}
@@ -217,33 +217,32 @@ def eval_shard(work: Path, args, settings) -> None:
     out.write_text(json.dumps(result))
 
 
-_LOADED: dict = {}
-
-
-def reference_generate(model_path: str, drafter_dir: Path, prompt: str, max_new_tokens: int, device: str
-                       ) -> tuple[float, str]:
-    """The reference package's own loop on one prompt: tau (mean of its acceptance_lengths) and the decoded text."""
+def reference_loop(model_path: str, drafter_dir: Path, max_new_tokens: int, device: str):
+    """The reference package's own loop with the target and drafter loaded once: prompt -> (tau, the mean of its
+    acceptance_lengths, and the decoded text)."""
     from dflash import model as reference
     from transformers import AutoTokenizer
 
     from dflashq.target import eos_ids, load_target
 
-    if not _LOADED:
-        if not torch.cuda.is_available():
-            reference._cuda_time = time.perf_counter  # it times with CUDA events
-        target = load_target(model_path, device)
-        dtype = next(target.parameters()).dtype
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        _LOADED.update(target=target, tokenizer=tokenizer, stop=sorted(eos_ids(target, tokenizer)),
-                       draft=reference.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=dtype).to(device).eval())
-    target, tokenizer, draft = _LOADED["target"], _LOADED["tokenizer"], _LOADED["draft"]
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)["input_ids"]
-    with torch.inference_mode():
-        stats = reference.dflash_generate(draft, target, torch.tensor([ids], device=device), max_new_tokens,
-                                          _LOADED["stop"], return_stats=True)
-    tau = sum(stats.acceptance_lengths) / max(1, len(stats.acceptance_lengths))
-    return tau, tokenizer.decode(stats.output_ids[0, len(ids):].tolist())
+    if not torch.cuda.is_available():
+        reference._cuda_time = time.perf_counter  # it times with CUDA events
+    target = load_target(model_path, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    stop = sorted(eos_ids(target, tokenizer))
+    draft = reference.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=next(target.parameters()).dtype)
+    draft = draft.to(device).eval()
+
+    @torch.inference_mode()
+    def generate(prompt: str) -> tuple[float, str]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+        stats = reference.dflash_generate(draft, target, torch.tensor([ids], device=device), max_new_tokens, stop,
+                                          return_stats=True)
+        tau = sum(stats.acceptance_lengths) / max(1, len(stats.acceptance_lengths))
+        return tau, tokenizer.decode(stats.output_ids[0, len(ids):].tolist())
+
+    return generate
 
 
 def main() -> None:
