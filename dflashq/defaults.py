@@ -77,6 +77,7 @@ NUM_ANCHORS = 512
 MASK_TOKEN_ID = -1  # -1: chosen from the target tokenizer (trainer/mask_token.py says how)
 LEARNING_RATE = 6e-4
 WARMUP_RATIO = 0.04
+UNKNOWN_HORIZON_WARMUP_STEPS = 50  # warm-up while the epoch's size is unknown (trainer.step.WarmupCosine)
 WEIGHT_DECAY = 0.0
 GRAD_CLIP = 1.0
 EPOCHS = 6

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflashq import defaults
 from dflashq import settings as S
 from dflashq.exceptions import ConfigError
 from dflashq.budget import used_bytes
@@ -235,3 +236,26 @@ def test_drafter_shape_comes_from_train_settings_and_must_match_the_checkpoint(t
         make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.layer_types": "full_attention"})
     with pytest.raises(ConfigError, match="train.attention must be"):
         make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.attention": "dense"})
+
+
+def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(tmp_path, redis_url, tiny_qwen35):
+    """A producer still reading a large dataset has not counted epoch 0: the horizon is unknown, and the rate must
+    warm up and hold rather than decay to zero after one step (found on an H200: lr 0 from step 2 on); once the
+    total is known the cosine decays towards zero."""
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.warmup_ratio": 0.1})
+    run, report = produce_and_extract(settings, conversations=48)
+    total = run.conn.get(run.keys.epoch_total(0))
+    run.conn.delete(run.keys.epoch_total(0))  # as if the producer had not reached the end of the data yet
+    peak = settings.train.learning_rate
+    trainer = Trainer(run, "cpu", progress=False)
+    trainer.run_until_done(max_steps=3)
+    run.conn.set(run.keys.epoch_total(0), total)
+    result = trainer.run_until_done()
+    log = [json.loads(line) for line in Path(run.store.path(settings.train.log_file)).read_text().splitlines()]
+    lrs = [r["lr"] for r in log if "lr" in r]
+    assert result.consumed[0] == report.admitted and len(lrs) == report.admitted >= 6
+    unknown = [peak * (step + 1) / defaults.UNKNOWN_HORIZON_WARMUP_STEPS for step in range(3)]
+    assert lrs[:3] == pytest.approx(unknown)
+    # the total is read after step 3: from step 4 on the cosine over the known horizon, falling towards zero
+    decaying = lrs[4:]
+    assert len(decaying) >= 2 and all(a > b for a, b in zip(decaying, decaying[1:])) and decaying[-1] < 0.1 * peak

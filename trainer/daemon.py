@@ -111,7 +111,7 @@ class Trainer:
         self.drafter = DFlashDrafter(config).to(self.device)  # fp32 master weights, the same on every rank
         self.model = parallel.wrap(self.drafter, self.ranks, s.parallel, self.device)
         # horizon: train.total_steps, else the steps left for the chunks left once the producer has counted an epoch
-        self.schedule = WarmupCosine(s.warmup_ratio, s.total_steps or 1)
+        self.schedule = WarmupCosine(s.warmup_ratio, s.total_steps or None)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), s.learning_rate, s.weight_decay,
                                                          self.schedule)
         self.ckpt_root = run.store.path("checkpoints")

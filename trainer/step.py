@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dflashq import defaults
 from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import Attention, DFlashDrafter, DrafterConfig
 from trainer.loss import DFlashLoss, dflash_loss
@@ -49,13 +50,17 @@ def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device |
 class WarmupCosine:
     """Learning-rate factor: linear warm-up over `warmup_ratio` of the horizon, then cosine decay to zero. The
     horizon `total` may grow while training runs (the trainer learns an epoch's size only when the producer has
-    seen the whole dataset); LambdaLR calls this object every step, so the new horizon applies at once."""
+    seen the whole dataset); LambdaLR calls this object every step, so the new horizon applies at once. Until it is
+    known (`total` None) the factor warms up over defaults.UNKNOWN_HORIZON_WARMUP_STEPS and holds the peak: a
+    guessed horizon would decay the rate to zero while the producer is still reading a large dataset."""
 
-    def __init__(self, warmup_ratio: float, total: int):
+    def __init__(self, warmup_ratio: float, total: int | None):
         self.warmup_ratio = warmup_ratio
-        self.total = max(1, total)
+        self.total = None if total is None else max(1, total)
 
     def __call__(self, step: int) -> float:
+        if self.total is None:
+            return min(1.0, (step + 1) / defaults.UNKNOWN_HORIZON_WARMUP_STEPS)
         warmup = max(1, int(self.warmup_ratio * self.total))
         if step < warmup:
             return (step + 1) / warmup
