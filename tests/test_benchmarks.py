@@ -80,6 +80,17 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     again, log = bench("quality.py", "--tiny", "--work", work)
     assert all(f"{phase}: done earlier" in log for phase in ("model", "prompts", "regenerate", "up", "eval"))
     assert again["eval"] == report["eval"]
+    # an eval cut short: shard 1 lost its last prompt, and its file ends in a torn line; the rerun does that prompt only
+    state_file, shard = Path(work, "state.json"), Path(work, "eval", "shard-1.jsonl")
+    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "eval"}))
+    lines = shard.read_text().splitlines()
+    shard.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    resumed, log = bench("quality.py", "--tiny", "--work", work)
+    assert "eval shard 1: 1 prompts done" in log and "eval shard 0:" not in log
+    assert resumed["eval"].keys() == report["eval"].keys()
+    for name in ("mt_bench", "humaneval"):
+        assert {k: v for k, v in resumed["eval"][name].items() if "seconds" not in k} == \
+            {k: v for k, v in report["eval"][name].items() if "seconds" not in k}
 
 
 def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():

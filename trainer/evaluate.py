@@ -167,48 +167,57 @@ def read_prompts(path: str | Path) -> list[str | list[dict]]:
     return prompts
 
 
-def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[str | list[dict]],
-                     max_new_tokens: int, device: str | torch.device = "cpu", lossless_prompts: int | None = None
-                     ) -> dict:
-    """Speculative decoding of each prompt (chat template applied, greedy) with an exported drafter: tau per prompt,
-    mean tau, and whether the output equals plain greedy decoding (lossless), with the first differing index.
+class PromptEvaluator:
+    """The target and an exported drafter, loaded once: speculative decoding of one prompt at a time (chat template
+    applied, greedy), optionally checked against plain greedy decoding."""
 
-    The greedy reference costs a target forward per token, more than the speculative run itself: `lossless_prompts`
-    checks only the first N prompts (the others report lossless None); None checks all."""
-    from transformers import AutoTokenizer
+    def __init__(self, target_path: str, drafter_dir: str | Path, device: str | torch.device = "cpu"):
+        from transformers import AutoTokenizer
 
-    target_model = load_target(target_path, device)
-    # in the target's dtype, as a server runs it (bf16 on GPU; on the CPU the bf16 export upcasts exactly)
-    drafter = load_exported(drafter_dir, device).to(next(target_model.parameters()).dtype)
-    text_config = target_model.config.get_text_config()
-    if (drafter.config.hidden_size, drafter.config.vocab_size) != (text_config.hidden_size, text_config.vocab_size):
-        raise ConfigError(
-            f"drafter {drafter_dir} (hidden {drafter.config.hidden_size}, vocab {drafter.config.vocab_size}) was not "
-            f"trained for target {target_path} (hidden {text_config.hidden_size}, vocab {text_config.vocab_size})."
-        )
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    head = target_head(target_model)
-    stop_ids = eos_ids(target_model, tokenizer)
-    results = []
-    for index, prompt in enumerate(prompts):
+        self.target = load_target(target_path, device)
+        # in the target's dtype, as a server runs it (bf16 on GPU; on the CPU the bf16 export upcasts exactly)
+        self.drafter = load_exported(drafter_dir, device).to(next(self.target.parameters()).dtype)
+        text_config = self.target.config.get_text_config()
+        config = self.drafter.config
+        if (config.hidden_size, config.vocab_size) != (text_config.hidden_size, text_config.vocab_size):
+            raise ConfigError(
+                f"drafter {drafter_dir} (hidden {config.hidden_size}, vocab {config.vocab_size}) was not trained "
+                f"for target {target_path} (hidden {text_config.hidden_size}, vocab {text_config.vocab_size})."
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(target_path)
+        self.head = target_head(self.target)
+        self.stop_ids = eos_ids(self.target, self.tokenizer)
+
+    def evaluate(self, prompt: str | list[dict], max_new_tokens: int, check_lossless: bool = True) -> dict:
+        """tau, passes and text of one prompt; lossless (None when not checked) with the first differing index.
+        The greedy check costs a target forward per token, more than the speculative run itself."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]
-        spec = speculative_generate(target_model, drafter, head, prompt_ids, max_new_tokens, stop_ids)
+        prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"]
+        spec = speculative_generate(self.target, self.drafter, self.head, prompt_ids, max_new_tokens, self.stop_ids)
         mismatch = None
-        checked = lossless_prompts is None or index < lossless_prompts
-        if checked:
-            reference = greedy_generate(target_model, prompt_ids, max_new_tokens, stop_ids)
+        if check_lossless:
+            reference = greedy_generate(self.target, prompt_ids, max_new_tokens, self.stop_ids)
             mismatch = next((i for i, (a, b) in enumerate(zip(spec.tokens, reference)) if a != b),
                             None if len(spec.tokens) == len(reference) else min(len(spec.tokens), len(reference)))
-        results.append({
-            "text": tokenizer.decode(spec.tokens),
+        return {
+            "text": self.tokenizer.decode(spec.tokens),
             "tau": spec.tau,
             "passes": len(spec.committed),
             "new_tokens": len(spec.tokens),
-            "lossless": mismatch is None if checked else None,
+            "lossless": mismatch is None if check_lossless else None,
             "first_mismatch": mismatch,
-        })
+        }
+
+
+def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[str | list[dict]],
+                     max_new_tokens: int, device: str | torch.device = "cpu", lossless_prompts: int | None = None
+                     ) -> dict:
+    """Every prompt through a PromptEvaluator: tau per prompt, mean tau, and whether the output equals plain greedy
+    decoding; `lossless_prompts` checks only the first N prompts (the others report lossless None), None all."""
+    evaluator = PromptEvaluator(target_path, drafter_dir, device)
+    results = [evaluator.evaluate(prompt, max_new_tokens, lossless_prompts is None or index < lossless_prompts)
+               for index, prompt in enumerate(prompts)]
     return {
         "target": str(target_path),
         "drafter": str(drafter_dir),
