@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -91,6 +93,20 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     for name in ("mt_bench", "humaneval"):
         assert {k: v for k, v in resumed["eval"][name].items() if "seconds" not in k} == \
             {k: v for k, v in report["eval"][name].items() if "seconds" not in k}
+
+
+def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
+    report, log = bench("workers.py", "--tiny")
+    one, two, restart = report["one"], report["n"], report["restart"]
+    # the same chunks drained by one real worker process and by two, each chunk once; both of the two took some
+    assert one["chunks"] == two["chunks"] > 2 and one["tokens"] == two["tokens"] > 0
+    assert sum(one["chunks_per_worker"].values()) == one["chunks"] and len(two["chunks_per_worker"]) == 2
+    assert 0 < one["tokens_per_s"] and 0 < two["tokens_per_s"] and report["scaling"] == pytest.approx(
+        two["tokens_per_s"] / (2 * one["tokens_per_s"]), abs=1e-3)
+    # the warm restart: the old process finished its chunks, the new one took the rest
+    assert restart["chunks_before"] >= 2 and restart["chunks_after"] >= 1
+    assert 0 < restart["restart_gap_seconds"] < 120 and 0 < restart["first_start_seconds"] < 120
+    assert restart["first_chunk_after_restart_tokens_per_s"] > 0 and restart["steady_chunk_tokens_per_s"] > 0
 
 
 def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():

@@ -1,0 +1,229 @@
+"""Long-lived workers on the real queue and store: N workers against one, and a warm restart.
+
+Real `dflashq worker` processes (`--gpu i`, or `--device cpu --index i`) against a private redis-server and a store
+in a temporary folder, on chunks the real producer admitted (every chunk before the workers start; no trainer, the
+byte budget and backlog set high enough for all of them). Times come from RQ's own job records (started_at and
+ended_at of each chunk), so process start-up counts only where it is what is measured: in phases one and n the
+workers start paused and are let go together once every one of them is up and every chunk is admitted.
+
+  one      one worker drains every chunk of --data (at least --chunks x N): tokens/s from its first chunk's start to
+           its last chunk's end
+  n        --workers N workers drain the same chunks, each on its own GPU; scaling = n's tokens/s / (N x one's)
+  restart  one long-lived worker, `dflashq restart-worker` (warm) after --restart-after chunks; this script restarts
+           the process when it exits for it (as `dflashq up` does): first start (process spawned -> first chunk
+           started), restart gap (old process exited -> new process's first chunk started), and the new process's
+           first chunk's tokens/s against the median chunk before the restart
+
+Each phase is its own run (its own chunks) in the same Redis and store; the model is loaded by every worker process
+from --model (a Transformers folder), as a user's workers load it.
+Usage: python benchmarks/workers.py [--tiny] [--model DIR] [--data FILE] [--workers 2] [--chunks 8]
+                                    [--phases one,n,restart]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from rq import Worker  # noqa: E402
+from rq.job import Job  # noqa: E402
+
+from dflashq import settings as settings_module  # noqa: E402
+from dflashq.run import Run  # noqa: E402
+from ops import control  # noqa: E402
+from ops.launch import settings_args  # noqa: E402
+from ops.redis_server import EmbeddedRedis  # noqa: E402
+from producers.produce import produce  # noqa: E402
+from producers.records import data_fingerprint  # noqa: E402
+from producers.sample_data import write_sample_data  # noqa: E402
+from workers.worker import EXIT_RESTART, worker_name  # noqa: E402
+
+PHASES = ("one", "n", "restart")
+
+
+def seconds(moment: datetime.datetime) -> float:
+    """RQ's timestamps are UTC; some versions leave them naive."""
+    return (moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+class Bench:
+    def __init__(self, args, url: str, store: Path):
+        self.args, self.url, self.store = args, url, store
+        self.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+
+    def settings(self, run: str):
+        args = self.args
+        return settings_module.load(None, [
+            ("run", run), ("redis.url", self.url), ("store.path", str(self.store)), ("model.path", args.model),
+            ("data.paths", args.data), ("data.max_length", args.max_length), ("data.chunk_tokens", args.chunk_tokens),
+            ("data.tokenize_processes", 1), ("store.codec", args.codec),
+            ("backpressure.max_backlog", 1_000_000), ("backpressure.max_store_bytes", 1 << 50),
+            ("workers.heartbeat_seconds", 0.5),
+        ], environ={})
+
+    def admit(self, run_name: str, chunks: int):
+        """A run with at least `chunks` chunks admitted."""
+        settings = self.settings(run_name)
+        run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+        report = produce(run, epochs=1, progress=False)
+        if report.admitted < chunks:
+            sys.exit(f"{self.args.data} makes {report.admitted} chunks of {self.args.chunk_tokens} tokens, {chunks} "
+                     f"needed: pass a larger --data or more --conversations")
+        return run, report
+
+    def spawn(self, run: Run, index: int, burst: bool) -> subprocess.Popen:
+        where = ["--device", "cpu", "--index", str(index)] if self.device == "cpu" else ["--gpu", str(index)]
+        argv = [sys.executable, "-m", "ops.cli", "worker", *settings_args(run.settings), *where]
+        log = open(self.store / f"{run.settings.run}-worker{index}-{time.time_ns()}.log", "w")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        return subprocess.Popen(argv + (["--burst"] if burst else []), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
+
+    def jobs(self, run: Run) -> list[dict]:
+        """Every finished chunk of the run: worker, started, ended (epoch seconds) and real tokens."""
+        tokens = {f[b"chunk"].decode(): int(f[b"tokens"]) for _, f in run.conn.xrange(run.keys.results)}
+        rows = []
+        for job in Job.fetch_many(list(tokens), connection=run.conn):
+            if job is None or job.started_at is None or job.ended_at is None:
+                continue
+            rows.append({"worker": job.worker_name, "started": seconds(job.started_at), "ended": seconds(job.ended_at),
+                         "tokens": tokens[job.id]})
+        return sorted(rows, key=lambda r: r["started"])
+
+    def drain(self, run_name: str, workers: int) -> dict:
+        """`workers` workers started paused, their chunks admitted, then all let go at once: no worker's model
+        loading overlaps another's chunks, so the wall time is the workers' alone."""
+        settings = self.settings(run_name)
+        run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+        control.pause(run)
+        procs = [self.spawn(run, i, burst=False) for i in range(workers)]
+        names = {worker_name(self.device, i) for i in range(workers)}
+        while not names <= {w.name for w in Worker.all(connection=run.conn)}:
+            self.alive(procs, run_name)
+            time.sleep(0.1)
+        report = produce(run, epochs=1, progress=False)
+        if report.admitted < workers * self.args.chunks:
+            sys.exit(f"{self.args.data} makes {report.admitted} chunks of {self.args.chunk_tokens} tokens, "
+                     f"{workers * self.args.chunks} needed: pass a larger --data or more --conversations")
+        control.resume(run)
+        while run.conn.xlen(run.keys.results) < report.admitted:
+            self.alive(procs, run_name)
+            time.sleep(0.05)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)  # a warm stop: each finishes its chunk (none is left)
+        for proc in procs:
+            proc.wait(timeout=300)
+        jobs = self.jobs(run)
+        wall = max(j["ended"] for j in jobs) - min(j["started"] for j in jobs)
+        tokens = sum(j["tokens"] for j in jobs)
+        per_worker = {}
+        for j in jobs:
+            per_worker[j["worker"]] = per_worker.get(j["worker"], 0) + 1
+        return {"workers": workers, "chunks": len(jobs), "tokens": tokens, "seconds": round(wall, 2),
+                "tokens_per_s": round(tokens / wall, 1), "chunks_per_worker": per_worker}
+
+    def alive(self, procs: list[subprocess.Popen], phase: str) -> None:
+        if any(proc.poll() is not None for proc in procs):
+            sys.exit(f"a worker of phase {phase} exited early; see the logs in {self.store}")
+
+    def restart(self) -> dict:
+        args = self.args
+        run, report = self.admit("restart", args.restart_after + 2)
+        name = worker_name(self.device, 0)
+        spawned = time.time()
+        proc = self.spawn(run, 0, burst=False)
+        while len(run.conn.xrange(run.keys.results)) < args.restart_after:
+            if proc.poll() is not None:
+                sys.exit(f"the worker exited with {proc.returncode} before the restart; see the logs in {self.store}")
+            time.sleep(0.05)
+        control.restart_worker(run, name)
+        if proc.wait() != EXIT_RESTART:
+            sys.exit(f"the worker exited with {proc.returncode} on a warm restart, not {EXIT_RESTART}")
+        exited = time.time()
+        second = self.spawn(run, 0, burst=True)  # at once, as `dflashq up` restarts it
+        if second.wait() != 0:
+            sys.exit(f"the restarted worker exited with {second.returncode}; see the logs in {self.store}")
+        jobs = self.jobs(run)
+        before = [j for j in jobs if j["ended"] <= exited]
+        after = [j for j in jobs if j["started"] > exited]
+        if not before or not after or len(before) + len(after) != report.admitted:
+            sys.exit(f"restart phase: {len(before)} chunks before and {len(after)} after the restart, "
+                     f"{report.admitted} admitted")
+
+        def rate(job):
+            return job["tokens"] / max(job["ended"] - job["started"], 1e-9)
+
+        steady = statistics.median(rate(j) for j in before[1:] or before)  # the first chunk may carry warm-up
+        return {"chunks_before": len(before), "chunks_after": len(after),
+                "first_start_seconds": round(before[0]["started"] - spawned, 2),
+                "restart_gap_seconds": round(after[0]["started"] - exited, 2),
+                "steady_chunk_tokens_per_s": round(steady, 1),
+                "first_chunk_after_restart_tokens_per_s": round(rate(after[0]), 1),
+                "first_chunk_after_restart_vs_steady": round(rate(after[0]) / steady, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model and CPU workers (checks the script)")
+    parser.add_argument("--model", default=None, help="the target's Transformers folder (required without --tiny)")
+    parser.add_argument("--data", default=None, help="conversations JSONL [the built-in samples]")
+    parser.add_argument("--conversations", type=int, default=2000, help="built-in sample conversations without --data")
+    parser.add_argument("--workers", type=int, default=None, help="workers of phase n [every GPU; 2 on the CPU]")
+    parser.add_argument("--chunks", type=int, default=8, help="chunks per worker in phases one and n")
+    parser.add_argument("--restart-after", type=int, default=4, help="chunks done before the warm restart")
+    parser.add_argument("--chunk-tokens", type=int, default=16384)
+    parser.add_argument("--max-length", type=int, default=4096)
+    parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--phases", default=",".join(PHASES))
+    args = parser.parse_args()
+    phases = [p for p in args.phases.split(",") if p]
+    if unknown := set(phases) - set(PHASES):
+        sys.exit(f"unknown phases {sorted(unknown)}; choose from {', '.join(PHASES)}")
+    tmp = Path(tempfile.mkdtemp(prefix="dflashq-workers-"))
+    if args.tiny:
+        from workers.tiny_model import write_tiny_model
+
+        args.model = write_tiny_model(str(tmp / "model"), "qwen3_5")
+        args.chunk_tokens, args.max_length, args.chunks, args.restart_after = 512, 256, 2, 2
+        args.conversations = 200
+    elif not args.model:
+        sys.exit("pass --model DIR (a Transformers folder), or --tiny")
+    if not args.data:
+        args.data = str(write_sample_data(tmp / "data.jsonl", n=args.conversations))
+    if args.workers is None:
+        args.workers = torch.cuda.device_count() if torch.cuda.is_available() and not args.tiny else 2
+    server = EmbeddedRedis(str(tmp))
+    try:
+        bench = Bench(args, server.ensure(), tmp / "store")
+        bench.store.mkdir(parents=True, exist_ok=True)
+        result = {"benchmark": "workers", "device": torch.cuda.get_device_name(0) if bench.device == "cuda" else
+                  f"cpu ({os.cpu_count()} cores)", "model": "tiny qwen3_5" if args.tiny else args.model}
+        for phase in phases:
+            started = time.perf_counter()
+            result[phase] = bench.restart() if phase == "restart" else bench.drain(phase, 1 if phase == "one" else args.workers)
+            print(f"{phase}: {json.dumps(result[phase])} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+        if "one" in result and "n" in result:
+            result["scaling"] = round(result["n"]["tokens_per_s"] / (args.workers * result["one"]["tokens_per_s"]), 3)
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a killed benchmark still stops its redis-server
+    main()
