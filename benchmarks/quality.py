@@ -17,7 +17,6 @@ Usage: python benchmarks/quality.py [--tiny] [--work DIR] [--conversations 4000]
 from __future__ import annotations
 
 import argparse
-import gc
 import gzip
 import importlib.util
 import json
@@ -99,6 +98,7 @@ chunk_tokens = {max(args.max_length, args.chunk_tokens)}
 [regenerate]
 max_new_tokens = {args.response_tokens}
 batch_tokens = {args.regenerate_batch_tokens}
+processes = {args.regenerate_processes}
 [train]
 epochs = {args.epochs}
 num_layers = {args.drafter_layers}
@@ -134,15 +134,12 @@ def phase_prompts(work: Path, args) -> dict:
 
 
 def phase_regenerate(work: Path, args, settings) -> dict:
-    from producers.engines import TransformersEngine
+    from producers.engine_processes import local_engine
     from producers.regenerate import regenerate
 
-    engine = TransformersEngine(settings, args.device)
-    report = regenerate(settings, [str(work / "sharegpt.jsonl")], settings.data.paths[0], engine, progress=True)
-    del engine  # its weights and KV-cache blocks would stay cached in this process while `up` trains on the GPU
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    # leaving the engine frees the device: its weights and cached KV blocks would stay while `up` trains on the GPU
+    with local_engine(settings, args.device) as engine:
+        report = regenerate(settings, [str(work / "sharegpt.jsonl")], settings.data.paths[0], engine, progress=True)
     return {"regenerated": report.regenerated + report.already_done, "rejected": report.rejected,
             "failed": report.failed, "generated_tokens": report.tokens,
             "generated_tokens_per_s": round(report.tokens_per_second, 1)}
@@ -287,6 +284,8 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=512, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
     parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
+    parser.add_argument("--regenerate-processes", type=int, default=None,
+                        help="regenerate.processes [4 on a GPU, else 1]")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--chunk-tokens", type=int, default=16384)
     parser.add_argument("--epochs", type=int, default=2)
@@ -311,6 +310,8 @@ def main() -> None:
         args.eval_prompts, args.eval_tokens, args.learning_rate = 2, 8, 3e-3
         args.eval_processes = args.eval_processes or 2  # the sharding checked too
     args.device = "cuda:0" if torch.cuda.is_available() and not args.tiny else "cpu"
+    if args.regenerate_processes is None:  # generate is bound by the core launching its kernels: one core each
+        args.regenerate_processes = 4 if args.device != "cpu" else 1
     if args.eval_processes is None:
         # each shard is bound by its own CPU core launching kernels; the GPU stays mostly idle between them
         args.eval_processes = max(1, min(12, (os.cpu_count() or 1) - 2)) if args.device != "cpu" else 1

@@ -57,6 +57,8 @@ REGENERATE_BATCH_TOKENS = 0
 REGENERATE_MEMORY_FRACTION = 0.4
 REGENERATE_MAX_ROWS = 1024  # beyond it the per-step logits and sampling outgrow what more rows gain
 REGENERATE_CPU_BATCH_TOKENS = 65536  # batch_tokens 0 on the CPU
+# transformers engine: processes sharing the device (generate is bound by the core launching its kernels)
+REGENERATE_PROCESSES = 1
 REGENERATE_API_KEY = ""  # endpoint engine: sent as `Authorization: Bearer <key>` (vLLM/SGLang --api-key); better in the environment
 REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists
 

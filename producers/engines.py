@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import gc
 import threading
 from typing import Protocol
 
@@ -65,7 +66,7 @@ class TransformersEngine:
     bounded by regenerate.batch_tokens (rows x (longest prompt + max_new_tokens), i.e. its KV cache; 0 sizes it
     from the device's free memory) and regenerate's row cap. A batch that still runs out of memory is split."""
 
-    def __init__(self, settings: Settings, device: str = "cpu"):
+    def __init__(self, settings: Settings, device: str = "cpu", memory_share: float = 1.0):
         self.options = settings.regenerate
         model = settings.model
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
@@ -77,9 +78,22 @@ class TransformersEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)  # padding is masked: any id does
         self.generation_config = self._generation_config()
-        self.batch_tokens = self.options.batch_tokens or auto_batch_tokens(self.model, self.device)
+        self.batch_tokens = self.options.batch_tokens or auto_batch_tokens(self.model, self.device, memory_share)
         rows = max(1, min(defaults.REGENERATE_MAX_ROWS, self.batch_tokens // self.options.max_new_tokens))
         self.batch_size = BATCHES_PER_CALL * rows  # as if prompts were empty
+
+    def __enter__(self) -> TransformersEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give the target's weights and cached KV blocks back to the device (the process may go on to train)."""
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _generation_config(self):
         # The checkpoint's own config (eos ids, and top_p / top_k that sampling should keep) with ours on top.
@@ -167,13 +181,13 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return 2 * max(1, layers) * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
-def auto_batch_tokens(model: torch.nn.Module, device: torch.device) -> int:
-    """regenerate.batch_tokens 0: the tokens whose KV cache fills regenerate's share of the GPU's free memory; on
-    the CPU a fixed budget."""
+def auto_batch_tokens(model: torch.nn.Module, device: torch.device, share: float = 1.0) -> int:
+    """regenerate.batch_tokens 0: the tokens whose KV cache fills regenerate's share of the GPU's free memory (split
+    `share` of it, for one of several engine processes on the device); on the CPU a fixed budget."""
     if device.type != "cuda":
         return defaults.REGENERATE_CPU_BATCH_TOKENS
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, int(free * defaults.REGENERATE_MEMORY_FRACTION) // kv_bytes_per_token(model))
+    return max(1, int(free * defaults.REGENERATE_MEMORY_FRACTION * share) // kv_bytes_per_token(model))
 
 
 # --- an OpenAI-compatible server --------------------------------------------------------------------------

@@ -24,9 +24,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflashq import settings as S
-from dflashq.exceptions import ConfigError, InputError
+from dflashq.exceptions import ConfigError, DflashqError, InputError
 from dflashq.target import load_target
 from producers.conversation import normalize
+from producers.engine_processes import EngineProcesses
 from producers.engines import EndpointEngine, TransformersEngine
 from producers.regenerate import record_key, regenerate
 from trainer.evaluate import greedy_generate
@@ -161,6 +162,36 @@ def test_killed_run_resumes_without_losing_or_doubling_a_record(tmp_path, tiny_q
     for reject, (words, _) in zip(rejects, bad.values()):
         assert words in reject["reason"]
     assert read_jsonl(tmp_path / "out" / "regenerated.failed.jsonl") == []
+
+
+def test_engine_processes_answer_as_one_engine_does(tmp_path, tiny_qwen35, target):
+    """`--processes 2`: two engine processes share the device; the output is the same target's greedy turns, one
+    line per record, and a killed engine process ends the run with one sentence, keeping the records done."""
+    records = [chat(f"Question {i} " + "about the sea " * (i % 4), "old", id=f"r{i}") for i in range(7)]
+    records[2] = chat("First", "old 1", "Second?", "old 2", id="r2")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\npath = "{tiny_qwen35}"\n[regenerate]\nmax_new_tokens = {MAX_NEW}\nbatch_tokens = 64\n')
+    out = tmp_path / "regenerated.jsonl"
+    done = cli(data, "--config", config, "--out", out, "--device", "cpu", "--processes", "2", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    written = {w["id"]: w for w in read_jsonl(out)}
+    assert sorted(written) == sorted(f"r{i}" for i in range(7))
+    for i, record in enumerate(records):
+        assert written[f"r{i}"]["messages"] == target.regenerated(record), i
+
+    settings = S.load(str(config), [], environ={})
+    engine = EngineProcesses(settings, "cpu", 2)
+    try:
+        history = normalize(chat("Still there?", "old"))
+        history.messages.pop()
+        assert [r.content for r in engine.respond([history, history])] == [target.reply(history.messages)[0]] * 2
+        engine._children[1][0].kill()
+        with pytest.raises(DflashqError, match="regenerate engine process 1 died"):
+            engine.respond([history, history])
+    finally:
+        engine.close()
 
 
 def test_left_padded_batches_equal_unbatched_greedy_for_every_input_format(tmp_path, tiny_qwen35, target):

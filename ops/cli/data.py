@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import click
 from rich.table import Table
 
@@ -22,8 +20,10 @@ from ops.redis_server import open_run
               help="Default: endpoint with --endpoint, else transformers (the target from model.path, here).")
 @click.option("--device", help="Transformers engine: cuda:N or cpu (default: cuda:0 when a GPU is visible).")
 @click.option("--concurrency", type=click.IntRange(min=1), help="Endpoint: requests in flight (key regenerate.concurrency).")
+@click.option("--processes", type=click.IntRange(min=1),
+              help="Transformers engine: processes sharing the device (key regenerate.processes).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs, CI).")
-def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency, no_progress):
+def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency, processes, no_progress):
     """Replace the assistant turns of conversations with the target's own responses (run it before `produce`)."""
     from producers.regenerate import regenerate as run_regenerate
     from producers.regenerate import resolve_inputs
@@ -33,16 +33,19 @@ def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency
         raise click.UsageError("Give --endpoint URL for the endpoint engine, and no --endpoint with --engine transformers.")
     if concurrency is not None:
         settings.set("regenerate.concurrency", concurrency)
+    if processes is not None:
+        settings.set("regenerate.processes", processes)
     resolve_inputs(settings, inputs, out)  # a wrong path fails before torch is imported and a model loads
-    from producers.engines import EndpointEngine, TransformersEngine
+    from producers.engine_processes import local_engine
+    from producers.engines import EndpointEngine
 
-    with contextlib.ExitStack() as stack:
-        if endpoint:
-            engine = stack.enter_context(EndpointEngine(endpoint, settings.regenerate))
-        else:
-            import torch
+    if endpoint:
+        engine = EndpointEngine(endpoint, settings.regenerate)
+    else:
+        import torch
 
-            engine = TransformersEngine(settings, device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+        engine = local_engine(settings, device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    with engine:
         report = run_regenerate(settings, list(inputs), out, engine, progress=not no_progress)
     table = Table(title=f"regenerated into {out}", show_header=False)
     table.add_row("records read", str(report.records))
