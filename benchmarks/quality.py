@@ -284,8 +284,7 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=512, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
     parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
-    parser.add_argument("--regenerate-processes", type=int, default=None,
-                        help="regenerate.processes [4 on a GPU, else 1]")
+    parser.add_argument("--regenerate-processes", type=int, default=1, help="regenerate.processes")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--chunk-tokens", type=int, default=16384)
     parser.add_argument("--epochs", type=int, default=2)
@@ -310,8 +309,6 @@ def main() -> None:
         args.eval_prompts, args.eval_tokens, args.learning_rate = 2, 8, 3e-3
         args.eval_processes = args.eval_processes or 2  # the sharding checked too
     args.device = "cuda:0" if torch.cuda.is_available() and not args.tiny else "cpu"
-    if args.regenerate_processes is None:  # generate is bound by the core launching its kernels: one core each
-        args.regenerate_processes = 4 if args.device != "cpu" else 1
     if args.eval_processes is None:
         # each shard is bound by its own CPU core launching kernels; the GPU stays mostly idle between them
         args.eval_processes = max(1, min(12, (os.cpu_count() or 1) - 2)) if args.device != "cpu" else 1

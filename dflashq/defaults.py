@@ -79,6 +79,8 @@ NUM_ANCHORS = 512
 MASK_TOKEN_ID = -1  # -1: chosen from the target tokenizer (trainer/mask_token.py says how)
 LEARNING_RATE = 6e-4
 WARMUP_RATIO = 0.04
+# train.attention sdpa: blocks per SDPA call (trainer.attention_mask.dense_groups); more calls cut fewer scores
+SDPA_GROUP_BLOCKS = 64
 UNKNOWN_HORIZON_WARMUP_STEPS = 50  # warm-up while the epoch's size is unknown (trainer.step.WarmupCosine)
 WEIGHT_DECAY = 0.0
 GRAD_CLIP = 1.0

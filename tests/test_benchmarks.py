@@ -95,6 +95,15 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
             {k: v for k, v in report["eval"][name].items() if "seconds" not in k}
 
 
+def test_regenerate_benchmark_compares_engine_processes_on_the_same_records():
+    report, _ = bench("regenerate.py", "--tiny")
+    for processes in (1, 2):
+        result = report[f"processes_{processes}"]
+        assert result["regenerated"] == report["records"] == 12 and result["failed"] == result["rejected"] == 0
+        assert result["generated_tokens"] > 0 and result["tokens_per_s"] > 0 and result["wall_seconds"] > 0
+    assert report["same_turns"] is True  # greedy: one engine or two write the same turns
+
+
 def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
     report, log = bench("workers.py", "--tiny")
     one, two, restart = report["one"], report["n"], report["restart"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflashq import defaults
 from dflashq.exceptions import ConfigError
 from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import DFlashDrafter, DrafterConfig
@@ -121,6 +122,30 @@ def test_batched_forward_matches_per_block_reference(attention, layer_types, hea
             expected = reference_block(drafter, head, context[row], block_ids[row, col], int(anchors[row, col]))
             torch.testing.assert_close(hidden[row, col], expected, atol=2e-5, rtol=1e-4)
     assert valid.sum() > 10 and not valid.all()  # several blocks per row, and padded blocks present
+
+
+@pytest.mark.parametrize("group_blocks", [1, 2, 3])
+def test_sdpa_groups_of_blocks_match_the_reference_and_each_other(group_blocks, head, batch, monkeypatch):
+    """SDPA attends groups of consecutive blocks, each over the context up to its largest anchor and its own block
+    keys; any grouping gives the reference's states and the gradients of one group holding every block."""
+    drafter = make_drafter([SLIDING, FULL])
+    context, block_ids, anchors, valid = batch
+    assert anchors.shape[1] > 2 * group_blocks  # several groups, the last one shorter for 2 and 3
+    monkeypatch.setattr(defaults, "SDPA_GROUP_BLOCKS", anchors.shape[1])
+    whole = drafter(context, block_ids, anchors, head, attention="sdpa")  # [b, N, B, H]
+    whole[valid].square().sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    monkeypatch.setattr(defaults, "SDPA_GROUP_BLOCKS", group_blocks)
+    grouped = drafter(context, block_ids, anchors, head, attention="sdpa")
+    grouped[valid].square().sum().backward()
+    torch.testing.assert_close(grouped[valid], whole[valid], atol=2e-5, rtol=1e-4)
+    for name, param in drafter.named_parameters():
+        torch.testing.assert_close(param.grad, expected_grads[name], atol=1e-4, rtol=1e-4, msg=name)
+    with torch.no_grad():
+        for row, col in valid.nonzero().tolist():
+            expected = reference_block(drafter, head, context[row], block_ids[row, col], int(anchors[row, col]))
+            torch.testing.assert_close(grouped[row, col], expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("layer_types", [[SLIDING, FULL], [FULL]])

