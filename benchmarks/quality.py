@@ -44,10 +44,11 @@ def package_file(package: str, *parts: str) -> Path:
     return Path(spec.submodule_search_locations[0], *parts)
 
 
-def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int) -> list[dict]:
+def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | None = None) -> list[dict]:
     """The first `limit` complete objects of ShareGPT's JSON array that open with a human turn, cut after their
-    `max_turns`-th exchange, and hold at most `max_chars` characters (longer ones would be cut at data.max_length
-    anyway); the file is cut off mid-object, so it is read one object at a time and the torn tail is left out.
+    `max_turns`-th exchange (None: kept whole), and hold at most `max_chars` characters (longer ones would be cut at
+    data.max_length anyway); the file is cut off mid-object, so it is read one object at a time and the torn tail is
+    left out.
 
     The cut bounds regeneration's wall time: turn k of every conversation waits for turn k - 1, so one 26-turn chat
     keeps the engine on ever smaller batches for 26 rounds of max_new_tokens decode steps."""
@@ -63,7 +64,7 @@ def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int) -> 
             break  # the cut
         turns = record.get("conversations") or []
         humans = [i for i, t in enumerate(turns) if t.get("from") == "human"]
-        if len(humans) > max_turns:
+        if max_turns is not None and len(humans) > max_turns:
             record = {**record, "conversations": turns[: humans[max_turns]]}
             turns = record["conversations"]
         # ShareGPT splits long chats into parts; a part that opens with the assistant has no prompt to answer

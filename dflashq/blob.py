@@ -51,13 +51,18 @@ def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """float [N, K, H] -> (e4m3 values [N, K, H], fp32 scales [N, K], relative error per layer [K]), on hidden's device
     (the worker runs it on the GPU). A row of zeros keeps scale 1; a NaN stays NaN and an inf turns its row NaN, so
     verify and inspect still find them."""
-    x = hidden.float()  # [N, K, H]
-    amax = x.abs().amax(dim=-1)  # [N, K]
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [N, K]
-    values = (x / scales[..., None]).to(FP8)  # [N, K, H]
-    error = values.float() * scales[..., None] - x  # [N, K, H]
-    norm = x.square().sum(dim=(0, 2)).sqrt().clamp_min(torch.finfo(torch.float32).tiny)  # [K]
-    relative = error.square().sum(dim=(0, 2)).sqrt() / norm  # [K] ||error|| / ||x|| per layer
+    n, k, _ = hidden.shape
+    values = torch.empty(hidden.shape, dtype=FP8, device=hidden.device)  # [N, K, H]
+    scales = torch.empty((n, k), dtype=torch.float32, device=hidden.device)  # [N, K]
+    relative = torch.empty(k, dtype=torch.float32, device=hidden.device)  # [K]
+    for layer in range(k):  # one layer's fp32 copies at a time: a 16k-token 27B chunk's all at once are 5 GB
+        x = hidden[:, layer].float()  # [N, H]
+        amax = x.abs().amax(dim=-1)  # [N]
+        scales[:, layer] = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [N]
+        values[:, layer] = (x / scales[:, layer, None]).to(FP8)  # [N, H]
+        error = values[:, layer].float() * scales[:, layer, None] - x  # [N, H]
+        norm = x.square().sum().sqrt().clamp_min(torch.finfo(torch.float32).tiny)  # []
+        relative[layer] = error.square().sum().sqrt() / norm  # ||error|| / ||x|| over the layer's states
     return values, scales, relative
 
 
