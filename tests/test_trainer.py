@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from dflashq import defaults
 from dflashq import settings as S
@@ -259,3 +260,30 @@ def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(t
     # the total is read after step 3: from step 4 on the cosine over the known horizon, falling towards zero
     decaying = lrs[4:]
     assert len(decaying) >= 2 and all(a > b for a, b in zip(decaying, decaying[1:])) and decaying[-1] < 0.1 * peak
+
+
+def test_out_of_memory_is_one_sentence_and_loses_nothing(tmp_path, redis_url, tiny_qwen35, monkeypatch):
+    """A micro-batch that does not fit ends the trainer with the settings to lower; what it had not checkpointed is
+    trained by the next start, every chunk once."""
+    import trainer.daemon as daemon
+
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35)
+    run, report = produce_and_extract(settings)
+    real_backward, calls = daemon.backward, []
+
+    def fits_four_times(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_backward(*args, **kwargs)
+
+    monkeypatch.setattr(daemon, "backward", fits_four_times)
+    with pytest.raises(ConfigError, match=r"ran out of memory on cpu with \d+ samples, \d+ padded tokens of chunk "
+                                          r".*lower train.micro_batch_tokens \(now 1024\) or train.num_anchors"):
+        Trainer(run, "cpu", progress=False).run_until_done()
+    monkeypatch.setattr(daemon, "backward", real_backward)
+    result = Trainer(Run.open(settings), "cpu", progress=False).run_until_done()
+    assert result.consumed[0] == report.admitted
+    trained = final_state(settings).consumed[0]
+    assert sorted(trained) == sorted(set(trained)) == stream_chunk_ids(run.conn, run.keys, 0)
+    assert_backlog_drained(run)

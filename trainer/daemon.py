@@ -37,7 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflashq import manifest
 from dflashq.blob import decode_blob
 from dflashq.chunk import micro_batches
-from dflashq.exceptions import BlobError
+from dflashq.exceptions import BlobError, ConfigError
 from dflashq.run import Run
 from dflashq.target import resolve_dtype
 from trainer import checkpoint, parallel
@@ -265,14 +265,31 @@ class Trainer:
         generator = chunk_generator(self.cfg.seed, entry.epoch, entry.chunk, self.device)
         loss, correct, count = 0.0, 0, 0
         for j, group in enumerate(groups):
-            with parallel.gradient_sync(self.model, last and j == len(groups) - 1):
-                out = backward(self.model, self.drafter.config, self.head,
-                               collate([samples[n] for n in group], self.device), num_anchors=self.cfg.num_anchors,
-                               loss_chunk_rows=self.cfg.loss_chunk_rows, generator=generator,
-                               scale=scale / len(groups), attention=self.cfg.attention)
+            try:
+                with parallel.gradient_sync(self.model, last and j == len(groups) - 1):
+                    out = backward(self.model, self.drafter.config, self.head,
+                                   collate([samples[n] for n in group], self.device), num_anchors=self.cfg.num_anchors,
+                                   loss_chunk_rows=self.cfg.loss_chunk_rows, generator=generator,
+                                   scale=scale / len(groups), attention=self.cfg.attention)
+            except torch.OutOfMemoryError:
+                raise self._out_of_memory(entry, len(group), max(lengths[n] for n in group) * len(group)) from None
             loss += float(out.loss.detach()) / len(groups)
             correct, count = correct + out.correct.detach().cpu(), count + out.count.detach().cpu()
         return loss, correct, count, sum(lengths)
+
+    def _out_of_memory(self, entry: Entry, samples: int, padded_tokens: int) -> ConfigError:
+        """The sentence for a micro-batch that does not fit: what holds the GPU, and the settings that shrink it.
+        Nothing is lost: the chunk is not acknowledged, and the next start trains it from the last checkpoint."""
+        held = ""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            mine = torch.cuda.memory_reserved(self.device)
+            held = (f" (this trainer holds {mine / 2**30:.1f} GiB, other processes {(total - free - mine) / 2**30:.1f} "
+                    f"GiB of {total / 2**30:.1f})")
+        return ConfigError(
+            f"The trainer ran out of memory on {self.device}{held} with {samples} samples, {padded_tokens} padded "
+            f"tokens of chunk {entry.chunk}: lower train.micro_batch_tokens (now {self.cfg.micro_batch_tokens}) or "
+            f"train.num_anchors (now {self.cfg.num_anchors}), or give the trainer a GPU of its own (`up --trainer-gpus`).")
 
     def _step(self, held: list[Entry], offers: list[Offer]) -> dict:
         """Train the agreed step on every rank and record it alike everywhere; returns the step's record."""
