@@ -23,6 +23,7 @@ Usage: python benchmarks/workers.py [--tiny] [--model DIR] [--data FILE] [--work
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -47,6 +48,7 @@ from dflashq.run import Run  # noqa: E402
 from ops import control  # noqa: E402
 from ops.launch import settings_args  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
+from ops.supervisor import child_environment  # noqa: E402
 from producers.produce import produce  # noqa: E402
 from producers.records import data_fingerprint  # noqa: E402
 from producers.sample_data import write_sample_data  # noqa: E402
@@ -75,23 +77,24 @@ class Bench:
             ("workers.heartbeat_seconds", 0.5),
         ], environ={})
 
-    def admit(self, run_name: str, chunks: int):
-        """A run with at least `chunks` chunks admitted."""
+    def new_run(self, run_name: str) -> Run:
         settings = self.settings(run_name)
-        run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+        return Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+
+    def admit(self, run: Run, chunks: int):
+        """Every chunk of the data admitted to `run`, at least `chunks` of them."""
         report = produce(run, epochs=1, progress=False)
         if report.admitted < chunks:
             sys.exit(f"{self.args.data} makes {report.admitted} chunks of {self.args.chunk_tokens} tokens, {chunks} "
                      f"needed: pass a larger --data or more --conversations")
-        return run, report
+        return report
 
     def spawn(self, run: Run, index: int, burst: bool) -> subprocess.Popen:
         where = ["--device", "cpu", "--index", str(index)] if self.device == "cpu" else ["--gpu", str(index)]
         argv = [sys.executable, "-m", "ops.cli", "worker", *settings_args(run.settings), *where]
-        log = open(self.store / f"{run.settings.run}-worker{index}-{time.time_ns()}.log", "w")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        return subprocess.Popen(argv + (["--burst"] if burst else []), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+        with open(self.store / f"{run.settings.run}-worker{index}-{time.time_ns()}.log", "w") as log:
+            return subprocess.Popen(argv + (["--burst"] if burst else []), cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, env=child_environment(os.environ))
 
     def jobs(self, run: Run) -> list[dict]:
         """Every finished chunk of the run: worker, started, ended (epoch seconds) and real tokens."""
@@ -107,18 +110,14 @@ class Bench:
     def drain(self, run_name: str, workers: int) -> dict:
         """`workers` workers started paused, their chunks admitted, then all let go at once: no worker's model
         loading overlaps another's chunks, so the wall time is the workers' alone."""
-        settings = self.settings(run_name)
-        run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
+        run = self.new_run(run_name)
         control.pause(run)
         procs = [self.spawn(run, i, burst=False) for i in range(workers)]
         names = {worker_name(self.device, i) for i in range(workers)}
         while not names <= {w.name for w in Worker.all(connection=run.conn)}:
             self.alive(procs, run_name)
             time.sleep(0.1)
-        report = produce(run, epochs=1, progress=False)
-        if report.admitted < workers * self.args.chunks:
-            sys.exit(f"{self.args.data} makes {report.admitted} chunks of {self.args.chunk_tokens} tokens, "
-                     f"{workers * self.args.chunks} needed: pass a larger --data or more --conversations")
+        report = self.admit(run, workers * self.args.chunks)
         control.resume(run)
         while run.conn.xlen(run.keys.results) < report.admitted:
             self.alive(procs, run_name)
@@ -130,11 +129,9 @@ class Bench:
         jobs = self.jobs(run)
         wall = max(j["ended"] for j in jobs) - min(j["started"] for j in jobs)
         tokens = sum(j["tokens"] for j in jobs)
-        per_worker = {}
-        for j in jobs:
-            per_worker[j["worker"]] = per_worker.get(j["worker"], 0) + 1
         return {"workers": workers, "chunks": len(jobs), "tokens": tokens, "seconds": round(wall, 2),
-                "tokens_per_s": round(tokens / wall, 1), "chunks_per_worker": per_worker}
+                "tokens_per_s": round(tokens / wall, 1),
+                "chunks_per_worker": dict(collections.Counter(j["worker"] for j in jobs))}
 
     def alive(self, procs: list[subprocess.Popen], phase: str) -> None:
         if any(proc.poll() is not None for proc in procs):
@@ -142,11 +139,12 @@ class Bench:
 
     def restart(self) -> dict:
         args = self.args
-        run, report = self.admit("restart", args.restart_after + 2)
+        run = self.new_run("restart")
+        report = self.admit(run, args.restart_after + 2)
         name = worker_name(self.device, 0)
         spawned = time.time()
         proc = self.spawn(run, 0, burst=False)
-        while len(run.conn.xrange(run.keys.results)) < args.restart_after:
+        while run.conn.xlen(run.keys.results) < args.restart_after:
             if proc.poll() is not None:
                 sys.exit(f"the worker exited with {proc.returncode} before the restart; see the logs in {self.store}")
             time.sleep(0.05)
