@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from dflashq import settings as settings_module  # noqa: E402
-from producers.conversation import normalize  # noqa: E402
+from producers.conversation import Pretokenized, normalize  # noqa: E402
 from producers.engine_processes import local_engine  # noqa: E402
 from producers.records import iter_records  # noqa: E402
 from dflashq.exceptions import RejectedSample  # noqa: E402
@@ -38,10 +38,15 @@ def first_turns(paths: list[str], limit: int, out: Path) -> int:
     written = 0
     with open(out, "w", encoding="utf-8") as f:
         for record in (r for path in paths for r in iter_records(path)):
-            try:
-                messages = normalize(record.data).messages
-            except (RejectedSample, AttributeError, TypeError):  # a record regenerate would reject: not measured
+            if record.error is not None:  # what regenerate rejects is not part of this measurement
                 continue
+            try:
+                sample = normalize(record.data)
+            except RejectedSample:
+                continue
+            if isinstance(sample, Pretokenized):
+                continue
+            messages = sample.messages
             first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
             if first is None:
                 continue

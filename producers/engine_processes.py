@@ -45,6 +45,7 @@ class EngineProcesses:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         self._children = []
         try:
+            sizes = []
             for _ in range(processes):
                 parent, child = context.Pipe()
                 proc = context.Process(target=_serve, args=(child, settings, device, 1.0 / processes), daemon=True)
@@ -52,8 +53,8 @@ class EngineProcesses:
                 child.close()  # the child's end lives in the child only: its death reads as EOF here
                 self._children.append((proc, parent))
                 # one at a time: each child sees the memory the ones before it left free
-                self.batch_size = self._receive(len(self._children) - 1)
-            self.batch_size = processes * self.batch_size
+                sizes.append(self._receive(len(self._children) - 1))
+            self.batch_size = sum(sizes)
         except BaseException:
             self.close()
             raise

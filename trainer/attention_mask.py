@@ -68,9 +68,9 @@ def dense_groups(mask_mod: MaskMod, anchors: Tensor, block_size: int, context_le
     for first in range(0, num_blocks, group_blocks):
         last = min(first + group_blocks, num_blocks)
         context = max(largest[first:last])  # anchors are sorted: keys at or past every anchor are never seen
-        q = torch.arange(first * block_size, last * block_size, device=device)  # [Qg]
+        queries = slice(first * block_size, last * block_size)
+        q = torch.arange(queries.start, queries.stop, device=device)  # [Qg]
         kv = torch.cat([torch.arange(context, device=device), context_len + q])  # [context + Qg]
         mask = mask_mod(b, h, q[None, :, None], kv[None, None, :])  # [batch, Qg, context + Qg]
-        groups.append(DenseGroup(slice(first * block_size, last * block_size), context,
-                                 mask.expand(batch, len(q), len(kv))[:, None]))
+        groups.append(DenseGroup(queries, context, mask.expand(batch, len(q), len(kv))[:, None]))
     return groups
