@@ -126,3 +126,12 @@ def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():
     total = sum(r["samples_per_s"] for r in per_rank)
     assert report["samples_per_s"] == round(total, 3)
     assert report["scaling_efficiency"] == round(total / (2 * one["samples_per_s"]), 3) > 0
+
+
+def test_attention_benchmark_checks_each_path_against_the_cpu_reference():
+    report, _ = bench("attention.py", "--tiny", "--paths", "sdpa,flex")
+    sdpa, flex = report["paths"]
+    # on the CPU the SDPA path is the reference's own computation: equal up to float32 rounding
+    assert sdpa["supported"] and sdpa["hidden_rel_error"] < 1e-5 and sdpa["grad_rel_error_max"] < 1e-5
+    assert sdpa["median_ms"] > 0 and report["blocks"] == 3 * 16
+    assert not flex["supported"] and "CPU" in flex["reason"]  # flex has no CPU backward: said, not a crash

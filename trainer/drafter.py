@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from dflashq import defaults
@@ -189,12 +190,25 @@ class DrafterAttention(nn.Module):
             v = torch.cat([v_ctx, v_blk], dim=2)  # [b, hkv, T+Q, D]
             out = _flex(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)  # [b, hq, Q, D]
         else:
-            out = torch.cat([F.scaled_dot_product_attention(
+            if q.is_cuda:  # the memory-efficient kernel takes no GQA: one key/value head per query head
+                repeat = self.num_heads // self.num_kv_heads
+                k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(repeat, 1) for t in (k_ctx, v_ctx, k_blk, v_blk))
+            out = torch.cat([_masked_attention(
                 q[:, :, g.queries],  # [b, hq, Qg, D]
-                torch.cat([k_ctx[:, :, : g.context], k_blk[:, :, g.queries]], dim=2),  # [b, hkv, Cg+Qg, D]
-                torch.cat([v_ctx[:, :, : g.context], v_blk[:, :, g.queries]], dim=2),  # [b, hkv, Cg+Qg, D]
-                attn_mask=g.mask, enable_gqa=True) for g in mask], dim=2)  # [b, hq, Q, D]
+                torch.cat([k_ctx[:, :, : g.context], k_blk[:, :, g.queries]], dim=2),  # [b, hkv or hq, Cg+Qg, D]
+                torch.cat([v_ctx[:, :, : g.context], v_blk[:, :, g.queries]], dim=2),  # [b, hkv or hq, Cg+Qg, D]
+                g.mask) for g in mask], dim=2)  # [b, hq, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))  # [b, Q, H]
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA with a boolean mask. On CUDA pinned to the memory-efficient kernel: torch's first choice there, cuDNN,
+    builds an execution plan for every new shape, and every micro-batch of a run brings new shapes (a step took
+    1.1 s instead of 0.14 s on an H200, benchmarks/train.py --lengths varied)."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, hq, Qg, D]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b, hq, Qg, D]
 
 
 @functools.cache
