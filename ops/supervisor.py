@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -139,6 +140,10 @@ class Supervisor:
     def _trainer_done(self) -> bool:
         return next(c for c in self.children if c.kind == "trainer").done
 
+    def _training_finished(self) -> bool:
+        """Whether the trainer trained every epoch: it exits 0 too when a signal stopped it after a checkpoint."""
+        return json.loads(self.run.conn.hget(self.run.keys.trainer, "done") or "false")
+
     def _drained(self) -> bool:
         return bool(self.run.conn.exists(self.run.keys.draining)) and self.run.conn.scard(self.run.keys.inflight) == 0
 
@@ -185,7 +190,7 @@ class Supervisor:
                 signal.signal(sig, handler)
         if self.failure:
             raise ChildFailed(self.failure)
-        return self._trainer_done()
+        return self._trainer_done() and self._training_finished()
 
     def summary(self, exported: str | None) -> dict:
         data = status.collect(self.run)

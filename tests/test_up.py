@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -274,6 +275,39 @@ def test_up_gives_up_past_outage_seconds_and_a_rerun_finishes_the_run(tmp_path, 
     assert FailedJobRegistry(queue=Queue(keys.shared_queue, connection=conn)).count == 0
     state = json.loads(next(Path(tmp_path / "store" / "up" / "checkpoints").glob("step-*/state.json")).read_text())
     assert sorted(state["train_state"]["consumed"]["0"]) == sorted(chunks)
+
+
+def test_up_stopped_by_a_signal_says_stopped_exports_nothing_and_a_rerun_finishes(tmp_path, redis_url, tiny_qwen35):
+    """SIGTERM (what Ctrl-C does too) mid-training: the trainer checkpoints and exits 0, and `up` must still report
+    the run as stopped (exit 130, no drafter exported as if it were final); `up` again trains the rest and exports."""
+    from producers.sample_data import write_sample_data
+
+    write_sample_data(tmp_path / "data.jsonl", n=160)
+    config = write_config(tmp_path, redis_url, tiny_qwen35, **{"train.epochs": 3})
+    conn, keys = redis.Redis.from_url(redis_url), Keys("up")
+    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "1", "--no-live"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while int(json.loads(conn.hget(keys.trainer, "step") or "0")) < 2:
+            assert time.monotonic() < deadline and up.poll() is None, "the trainer never stepped"
+            time.sleep(0.1)
+        up.send_signal(signal.SIGTERM)
+        out, err = up.communicate(timeout=300)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 130, (out[-2000:], err[-2000:])
+    assert "stopped" in out and "Traceback" not in err
+    run_dir = tmp_path / "store" / "up"
+    assert not list(run_dir.glob("drafter-step-*"))
+    assert json.loads(conn.hget(keys.trainer, "done")) is False and list((run_dir / "checkpoints").glob("step-*"))
+    again = cli("up", "--config", str(config), "--workers", "1", "--no-live", timeout=900)
+    assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-3000:])
+    assert json.loads(conn.hget(keys.trainer, "done")) is True and list(run_dir.glob("drafter-step-*"))
+    state = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+                        / "state.json").read_text())
+    assert all(len(state["train_state"]["consumed"][str(e)]) == conn.scard(keys.admitted(0)) for e in range(3))
 
 
 def test_up_splits_the_gpus_between_workers_and_trainer_ranks(tmp_path, conn, redis_url):
