@@ -302,6 +302,8 @@ def main() -> None:
     parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [CPU cores - 2 up to 12 on a GPU, else 1]")
     parser.add_argument("--lossless-prompts", type=int, default=16,
                         help="prompts of each benchmark also checked against plain greedy decoding")
+    parser.add_argument("--stop-after", choices=PHASES, default=None,
+                        help="end after this phase; a later run goes on from the next (e.g. the eval on another machine)")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
     args = parser.parse_args()
     if args.tiny:
@@ -324,13 +326,15 @@ def main() -> None:
     for phase in PHASES:
         if phase in state:
             print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)
-            continue
-        started = time.perf_counter()
-        runner = globals()[f"phase_{phase}"]
-        result = runner(work, args) if phase in ("model", "prompts") else runner(work, args, settings)
-        state[phase] = {**result, "seconds": round(time.perf_counter() - started, 1)}
-        state_file.write_text(json.dumps(state, indent=2))
-        print(f"{phase}: {json.dumps(state[phase])}", file=sys.stderr, flush=True)
+        else:
+            started = time.perf_counter()
+            runner = globals()[f"phase_{phase}"]
+            result = runner(work, args) if phase in ("model", "prompts") else runner(work, args, settings)
+            state[phase] = {**result, "seconds": round(time.perf_counter() - started, 1)}
+            state_file.write_text(json.dumps(state, indent=2))
+            print(f"{phase}: {json.dumps(state[phase])}", file=sys.stderr, flush=True)
+        if phase == args.stop_after:
+            break
     print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
                       **state}))
 
