@@ -302,6 +302,11 @@ def main() -> None:
     parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [CPU cores - 2 up to 12 on a GPU, else 1]")
     parser.add_argument("--lossless-prompts", type=int, default=16,
                         help="prompts of each benchmark also checked against plain greedy decoding")
+    # regeneration is the costliest phase on a GPU; the same prompts' earlier output lets a run skip it
+    parser.add_argument("--regenerated", default=None,
+                        help="an earlier run's regenerate output (.jsonl or .jsonl.gz) for the same prompts: its "
+                             "records count as done (e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz "
+                             "for --conversations 3000 --response-tokens 256)")
     parser.add_argument("--stop-after", choices=PHASES, default=None,
                         help="end after this phase; a later run goes on from the next (e.g. the eval on another machine)")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
@@ -323,6 +328,11 @@ def main() -> None:
     if args.eval_shard is not None:  # the parent wrote run.toml: shards rewriting it at once would read it torn
         return eval_shard(work, args, settings_module.load(work / "run.toml"))
     settings = settings_module.load(write_config(work, args))
+    output = work / settings.data.paths[0]
+    if args.regenerated and not output.exists():
+        opener = gzip.open if args.regenerated.endswith(".gz") else open
+        with opener(args.regenerated, "rb") as src, open(output, "wb") as dst:
+            dst.write(src.read())
     for phase in PHASES:
         if phase in state:
             print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@ on the GPU; see the README's performance table)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -135,3 +136,16 @@ def test_attention_benchmark_checks_each_path_against_the_cpu_reference():
     assert sdpa["supported"] and sdpa["hidden_rel_error"] < 1e-5 and sdpa["grad_rel_error_max"] < 1e-5
     assert sdpa["median_ms"] > 0 and report["blocks"] == 3 * 16
     assert not flex["supported"] and "CPU" in flex["reason"]  # flex has no CPU backward: said, not a crash
+
+
+def test_quality_benchmark_starts_from_an_earlier_runs_regenerated_records(tmp_path):
+    first, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "a"), "--stop-after", "regenerate")
+    assert "up" not in first and first["regenerate"]["generated_tokens"] > 0
+    with gzip.open(tmp_path / "earlier.jsonl.gz", "wb") as f:
+        f.write((tmp_path / "a" / "regenerated.jsonl").read_bytes())
+    second, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "b"), "--stop-after", "regenerate",
+                      "--regenerated", str(tmp_path / "earlier.jsonl.gz"))
+    # every record was done already: nothing generated, the same output
+    assert second["regenerate"]["regenerated"] == first["regenerate"]["regenerated"]
+    assert second["regenerate"]["generated_tokens"] == 0
+    assert (tmp_path / "b" / "regenerated.jsonl").read_bytes() == (tmp_path / "a" / "regenerated.jsonl").read_bytes()
