@@ -154,7 +154,7 @@ def phase_up(work: Path, args, settings) -> dict:
     if done.returncode != 0:
         sys.exit(f"dflashq up exited with {done.returncode}; see {work / 'runs' / 'quality' / 'logs'} and run again")
     from ops.redis_server import open_run
-    from ops.report import write_report
+    from ops.report import step_time_medians, write_report
 
     run = open_run(settings, join=False)
     curve = write_report(run, str(work / "training.png"))
@@ -162,7 +162,8 @@ def phase_up(work: Path, args, settings) -> dict:
     steps = [r for r in log if "step" in r and "loss" in r]
     tokens = sum(int(f[b"tokens"]) for _, f in run.conn.xrange(run.keys.results))
     return {"curve": str(curve), "steps": len(steps), "tokens_extracted": tokens,
-            "final_train_eal": steps[-1]["eal"] if steps else None, "final_loss": steps[-1]["loss"] if steps else None}
+            "final_train_eal": steps[-1]["eal"] if steps else None, "final_loss": steps[-1]["loss"] if steps else None,
+            "median_step_seconds": step_time_medians(steps)}
 
 
 def eval_prompt_sets(args) -> dict[str, list[str]]:

@@ -72,6 +72,13 @@ def _curve(ax, title: str, steps: np.ndarray, values: np.ndarray) -> None:
     ax.grid(alpha=0.3)
 
 
+def step_time_medians(records: list[dict]) -> dict[str, float]:
+    """Where a step's wall time goes, as the trainer logs it (between steps, reading blobs, computing): the median
+    seconds of each part over the steps that record it (none before the trainer logged them)."""
+    timed = [r["seconds"] for r in records if "seconds" in r]
+    return {part: float(np.median([t[part] for t in timed])) for part in timed[0]} if timed else {}
+
+
 def write_report(run: Run, out_png: str | Path) -> Path:
     """Write the run's report PNG to `out_png` and return its path."""
     records = read_train_log(run)
@@ -125,6 +132,9 @@ def write_report(run: Run, out_png: str | Path) -> Path:
         last = records[-1]
         lines += [f"epoch: {last['epoch']}", f"last loss: {last['loss']:.4f}", f"last EAL: {last['eal']:.3f}",
                   f"tokens trained: {int(sum(r['tokens'] for r in records)):,}"]
+        medians = step_time_medians(records)
+        if medians:
+            lines.append("median step s: " + ", ".join(f"{part} {v:.3f}" for part, v in medians.items()))
     text_ax.axis("off")
     text_ax.set_title("summary")
     text_ax.text(0.05, 0.95, "\n".join(lines), va="top", family="monospace", transform=text_ax.transAxes)

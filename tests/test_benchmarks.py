@@ -73,6 +73,7 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     assert report["prompts"]["conversations"] == 24  # read object by object from the cut-off ShareGPT JSON
     assert report["regenerate"]["regenerated"] > 0 and report["regenerate"]["failed"] == 0
     assert report["up"]["steps"] > 0 and report["up"]["tokens_extracted"] > 0 and Path(report["up"]["curve"]).is_file()
+    assert report["up"]["median_step_seconds"].keys() == {"between", "read", "compute"}
     for name in ("mt_bench", "humaneval"):
         result = report["eval"][name]
         # dflashq eval and the reference dflash loop report the same tau and text on every prompt (in 2 shards; a

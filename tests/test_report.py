@@ -7,6 +7,8 @@ import struct
 import time
 from pathlib import Path
 
+import pytest
+
 from dflashq import settings as S
 from dflashq.run import Run
 from ops.report import read_extractions, read_train_log, write_report
@@ -49,6 +51,14 @@ def test_report_of_a_run_with_extractions_and_training(redis_url, conn, tmp_path
     width, height = _png_size(out)
     assert (width, height) == (1400, 1200)
     assert out.stat().st_size > 50_000  # curves drawn, not an empty canvas
+
+
+def test_step_time_medians_over_the_steps_that_log_them():
+    from ops.report import step_time_medians
+
+    records = [{"step": 1}] + [{"step": i, "seconds": {"between": 0.1 * i, "read": 0.2, "compute": i}} for i in (2, 3, 4)]
+    assert step_time_medians(records) == pytest.approx({"between": 0.3, "read": 0.2, "compute": 3.0})
+    assert step_time_medians([{"step": 1}]) == {}
 
 
 def test_extractions_are_read_across_xrange_pages(redis_url, conn, tmp_path):

@@ -260,6 +260,12 @@ def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(t
     # the total is read after step 3: from step 4 on the cosine over the known horizon, falling towards zero
     decaying = lrs[4:]
     assert len(decaying) >= 2 and all(a > b for a, b in zip(decaying, decaying[1:])) and decaying[-1] < 0.1 * peak
+    # every step says where its wall time went; the parts add up to the time between two step records
+    steps = [r for r in log if "lr" in r]
+    assert all(r["seconds"].keys() == {"between", "read", "compute"} for r in steps)
+    assert all(r["seconds"]["read"] > 0 and r["seconds"]["compute"] > 0 and r["seconds"]["between"] >= 0 for r in steps)
+    gaps = [b["time"] - a["time"] - sum(b["seconds"].values()) for a, b in zip(steps[4:], steps[5:])]
+    assert all(-0.01 < gap < 0.5 for gap in gaps), gaps
 
 
 def test_out_of_memory_is_one_sentence_and_loses_nothing(tmp_path, redis_url, tiny_qwen35, monkeypatch):

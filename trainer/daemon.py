@@ -132,6 +132,10 @@ class Trainer:
         self.steps_at_start = self.state.step
         self.consumed_at_start = sum(len(v) for v in self.state.consumed.values())
         self.rank_chunks, self.rank_tokens, self.busy_seconds = 0, 0, 0.0  # this rank, this process: its training rate
+        # where a step's wall time goes, logged with it: between steps (waiting for blobs and the other ranks,
+        # checkpoints, Redis), reading its blobs (file, decode, copy to the device), computing
+        self.step_ended = time.perf_counter()
+        self.timing = {"between": 0.0, "read": 0.0, "compute": 0.0}
         self.log_path = run.store.path(s.log_file)
         if self.ranks.leader:  # fields of ranks that a larger world of an earlier start left behind
             stale = [f for f in run.conn.hkeys(run.keys.trainer_ranks) if int(f) >= self.ranks.world_size]
@@ -233,6 +237,7 @@ class Trainer:
         ranks that DDP (or FSDP) takes of the gradients is their mean over the step's chunks; without a chunk the
         rank trains an empty batch, so that the gradient collectives run on every rank."""
         started = time.perf_counter()
+        self.timing = {"between": started - self.step_ended, "read": 0.0, "compute": 0.0}
         scale = self.ranks.world_size / chunks_in_step
         slots = self.drafter.config.block_size - 1
         losses, correct, count, tokens = [], torch.zeros(slots), torch.zeros(slots), 0
@@ -246,7 +251,9 @@ class Trainer:
             losses.append(loss)
             correct, count, tokens = correct + chunk_correct, count + chunk_count, tokens + chunk_tokens
         lr, grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
-        self.busy_seconds += time.perf_counter() - started
+        busy = time.perf_counter() - started
+        self.busy_seconds += busy
+        self.timing["compute"] = busy - self.timing["read"]
         self.rank_chunks += len(held)
         self.rank_tokens += tokens
         return RankStats(losses, correct.tolist(), count.tolist(), tokens), lr, grad_norm
@@ -255,11 +262,13 @@ class Trainer:
         """Forward and backward of one chunk's micro-batches, the chunk's loss (their mean) scaled by `scale`; only
         the step's last backward (`last`: of its last chunk) communicates. Returns loss, correct and valid rows per
         slot [B-1], tokens."""
+        read_started = time.perf_counter()
         try:  # on the training device: an fp8 blob crosses as 1-byte values and is dequantized there
             samples = list(decode_blob(self.run.store.read(entry.path)).samples(self.device))
         except (BlobError, FileNotFoundError) as exc:
             self._log({"event": "unreadable blob", "chunk": entry.chunk, "error": str(exc)})
             raise
+        self.timing["read"] += time.perf_counter() - read_started
         lengths = [int(ids.shape[0]) for _, ids, _ in samples]
         groups = micro_batches(lengths, self.cfg.micro_batch_tokens)
         generator = chunk_generator(self.cfg.seed, entry.epoch, entry.chunk, self.device)
@@ -308,9 +317,11 @@ class Trainer:
         self.unacked += [e for e in held if e.id]
         record = {"step": self.state.step, "epoch": chunks[0][0], "chunks": [c for _, c in chunks],
                   "loss": sum(losses) / len(losses), "acc": acc.tolist(), "eal": float(expected_acceptance_length(acc)),
-                  "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "time": time.time()}
+                  "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "time": time.time(),
+                  "seconds": {k: round(v, 4) for k, v in self.timing.items()}}  # rank 0's
         self._log(record)
         self._publish(loss=record["loss"], eal=record["eal"], lr=record["lr"])
+        self.step_ended = time.perf_counter()
         return record
 
     def _log(self, record: dict) -> None:
