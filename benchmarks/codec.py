@@ -25,12 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.quality import package_file, sharegpt_records  # noqa: E402
 from dflashq import defaults  # noqa: E402
-from dflashq.blob import CODEC_VERSIONS, decode_blob, encode_blob  # noqa: E402
+from dflashq.blob import CODEC_VERSIONS, decode_blob, encode_blob, quantize_fp8  # noqa: E402
 from dflashq.capture import HiddenStateCapture  # noqa: E402
 from dflashq.exceptions import RejectedSample  # noqa: E402
 from dflashq.layer_ids import default_layer_ids  # noqa: E402
@@ -97,6 +98,22 @@ def measure(hidden: torch.Tensor, codec: str, level: int, repeats: int) -> dict:
             "recorded_relative_error": blob.relative_error}
 
 
+def fp8_entropy(hidden: torch.Tensor, bf16_bytes_per_value: float) -> dict:
+    """What any lossless coder can do with the fp8 codec's values: the empirical entropy of the e4m3 bytes, alone and
+    given the channel (layer, hidden dim: the best a coder adapting per channel reaches), and the bytes of the
+    latter against the bf16 codec's. Sign and 3 mantissa bits are close to uniform, so 4 bits of every byte stay."""
+    values = quantize_fp8(hidden)[0].view(torch.uint8).flatten(1).numpy()  # [N, K*H]
+
+    def entropy(column: np.ndarray) -> float:
+        p = np.bincount(column, minlength=256) / column.size
+        p = p[p > 0]
+        return float(-(p * np.log2(p)).sum())
+
+    per_channel = float(np.mean([entropy(values[:, c]) for c in range(values.shape[1])]))
+    return {"byte_entropy_bits": round(entropy(values.ravel()), 3), "channel_entropy_bits": round(per_channel, 3),
+            "channel_entropy_vs_bf16_bytes": round(per_channel / 8 / bf16_bytes_per_value, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
@@ -129,6 +146,7 @@ def main() -> None:
         "hidden_size": hidden.shape[2], "zstd_level": args.level, "forward_seconds": round(forward_s, 1),
         **codecs,
         "fp8_vs_bf16_bytes": round(codecs["fp8"]["bytes_per_token"] / codecs["bf16"]["bytes_per_token"], 3),
+        "fp8_entropy": fp8_entropy(hidden, codecs["bf16"]["bytes_per_value"]),
         "machine": f"{platform.node()} ({os.cpu_count()} cores)", "torch": torch.__version__,
     }
     print(json.dumps(result))

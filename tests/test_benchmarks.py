@@ -54,6 +54,10 @@ def test_codec_benchmark_compares_both_codecs_on_the_same_states():
     assert all(abs(a - b) <= 0.02 * b for a, b in zip(fp8["recorded_relative_error"], fp8["relative_error_per_layer"]))
     assert report["fp8_vs_bf16_bytes"] == round(fp8["bytes_per_token"] / bf16["bytes_per_token"], 3) < 0.7
     assert min(bf16["encode_mb_per_s_per_core"], fp8["encode_mb_per_s_per_core"], fp8["decode_mb_per_s_per_core"]) > 0
+    # the e4m3 bytes' entropy: knowing the channel can only lower it; the bound is set against the bf16 codec's bytes
+    ent = report["fp8_entropy"]
+    assert 0 < ent["channel_entropy_bits"] <= ent["byte_entropy_bits"] <= 8
+    assert ent["channel_entropy_vs_bf16_bytes"] == pytest.approx(ent["channel_entropy_bits"] / 8 / bf16["bytes_per_value"], abs=2e-3)
 
 
 def test_train_benchmark_steps():
