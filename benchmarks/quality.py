@@ -155,6 +155,7 @@ def phase_up(work: Path, args, settings) -> dict:
         sys.exit(f"dflashq up exited with {done.returncode}; see {work / 'runs' / 'quality' / 'logs'} and run again")
     from ops.redis_server import open_run
     from ops.report import step_time_medians, write_report
+    from ops.status import trainer_ranks, worker_progress
 
     run = open_run(settings, join=False)
     curve = write_report(run, str(work / "training.png"))
@@ -163,7 +164,11 @@ def phase_up(work: Path, args, settings) -> dict:
     tokens = sum(int(f[b"tokens"]) for _, f in run.conn.xrange(run.keys.results))
     return {"curve": str(curve), "steps": len(steps), "tokens_extracted": tokens,
             "final_train_eal": steps[-1]["eal"] if steps else None, "final_loss": steps[-1]["loss"] if steps else None,
-            "median_step_seconds": step_time_medians(steps)}
+            "median_step_seconds": step_time_medians(steps),
+            # which side bounds the run: each side's rate while busy, and where a worker's chunk time went
+            "workers": {name: {k: w.get(k) for k in ("tokens_per_second", "busy_tokens_per_second", "seconds_per_chunk")}
+                        for name, w in worker_progress(run).items()},
+            "trainer_busy_tokens_per_second": [r.get("busy_tokens_per_second") for r in trainer_ranks(run)]}
 
 
 def eval_prompt_sets(args) -> dict[str, list[str]]:

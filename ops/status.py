@@ -68,6 +68,7 @@ def _workers(run: Run, queues: list[Queue]) -> list[dict]:
                 "chunks_failed": worker.failed_job_count,
                 "tokens_per_second": extra.get("tokens_per_second"),
                 "busy_tokens_per_second": extra.get("busy_tokens_per_second"),
+                "seconds_per_chunk": extra.get("seconds_per_chunk"),
                 "last_heartbeat_seconds_ago": round(age, 1) if age is not None else None,
                 "paused": bool(run.conn.sismember(run.keys.paused, worker.name) or run.conn.sismember(run.keys.paused, "*")),
                 "stuck": age is not None and age > 0.75 * run.settings.workers.worker_ttl,  # heartbeat late: the worker is wedged or its host is overloaded

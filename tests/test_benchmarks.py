@@ -78,6 +78,8 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     assert report["regenerate"]["regenerated"] > 0 and report["regenerate"]["failed"] == 0
     assert report["up"]["steps"] > 0 and report["up"]["tokens_extracted"] > 0 and Path(report["up"]["curve"]).is_file()
     assert report["up"]["median_step_seconds"].keys() == {"between", "read", "compute"}
+    assert [w["seconds_per_chunk"]["write"] > 0 for w in report["up"]["workers"].values()] == [True]  # --tiny: 1 worker
+    assert all(rate > 0 for rate in report["up"]["trainer_busy_tokens_per_second"])
     for name in ("mt_bench", "humaneval"):
         result = report["eval"][name]
         # dflashq eval and the reference dflash loop report the same tau and text on every prompt (in 2 shards; a

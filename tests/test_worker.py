@@ -84,6 +84,10 @@ def test_worker_writes_verified_blobs_and_announces_each_once(tmp_path, redis_ur
     assert int(run.conn.get(run.keys.store_bytes)) == sum(int(v) for v in run.conn.hvals(run.keys.blob_bytes)) > 0
     progress = json.loads(run.conn.hget(run.keys.workers, f"{HOST}.cpu0"))
     assert progress["tokens_done"] == report.tokens
+    # where a chunk's time went, per chunk: the writer encoded and wrote every blob (a file write takes time)
+    parts = progress["seconds_per_chunk"]
+    assert parts.keys() == {"writer_wait", "device", "encode", "write", "announce"}
+    assert all(v >= 0 for v in parts.values()) and parts["encode"] > 0 and parts["write"] > 0
     # the stored states are what a plain unbatched Transformers forward computes
     from dflashq.target import load_target
 

@@ -83,8 +83,13 @@ class Extractor:
         self._announce = run.conn.register_script(_ANNOUNCE)
         self._lock = threading.Lock()
         self.tokens_done = 0
+        self.chunks_done = 0
         self.first_start: float | None = None
         self.busy_seconds = 0.0  # in jobs, less waiting for the store budget: what `up` balances GPUs by
+        # where a chunk's time goes, summed over chunks and published per chunk: the job waiting for the writer
+        # (a writer slower than the forward), and in the writer: waiting for the device, encoding, writing (fsync
+        # included), announcing
+        self.seconds = dict.fromkeys(("writer_wait", "device", "encode", "write", "announce"), 0.0)
         _active = self
 
     def chunk_bytes(self, tokens: int) -> int:
@@ -156,8 +161,11 @@ class Extractor:
             planes = shuffle_bytes(values)  # [1, N, K, H] uint8
         else:
             planes = shuffle_bytes(hidden)  # [itemsize, N, K, H] uint8, shuffled on the device
+        waited_from = time.perf_counter()
         while len(self.pending) >= 2:  # bounded: one blob being written while this one is computed
             self.pending.pop(0).result()
+        with self._lock:
+            self.seconds["writer_wait"] += time.perf_counter() - waited_from
         host = self._to_host(planes)
         if self.codec == "fp8":
             fp8 = (self._small_to_host(scales), self._small_to_host(error))
@@ -190,8 +198,10 @@ class Extractor:
 
     def _write_and_announce(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done, fp8) -> None:
         """fp8: (scales [N, K], relative error [K]) of the quantized states in `host`."""
+        started = time.perf_counter()
         if done is not None:
             done.synchronize()
+        synced = time.perf_counter()
         run, keys = self.run_ctx, self.run_ctx.keys
         lengths = [len(s) for s in chunk.samples]
         offsets = [0]
@@ -204,19 +214,27 @@ class Extractor:
         buffers = encode_blob(host, ids, mask, offsets, meta, self.level, self.threads,
                               sample_index=[s.index for s in chunk.samples], dtype=dtype, codec=self.codec,
                               scales=scales, relative_error=error.tolist() if error is not None else None)
+        encoded = time.perf_counter()
         path = run.store.blob_path(chunk.id, chunk.epoch)
         size = run.store.write_atomic(path, buffers)
+        written = time.perf_counter()
         self._announce(
             keys=[keys.reserved_bytes, keys.reservations(self.worker_name), keys.finished, keys.results,
                   keys.blob_bytes, unannounced_key(keys, self.worker_name), keys.store_bytes],
             args=[chunk.id, path, chunk.tokens, len(chunk.samples), size, chunk.epoch, self.worker_name],
         )
+        announced = time.perf_counter()
         with self._lock:
             self.tokens_done += chunk.tokens
+            self.chunks_done += 1
+            for part, seconds in (("device", synced - started), ("encode", encoded - synced),
+                                  ("write", written - encoded), ("announce", announced - written)):
+                self.seconds[part] += seconds
             elapsed = max(time.perf_counter() - self.first_start, 1e-9)
             run.conn.hset(keys.workers, self.worker_name, json.dumps({
                 "tokens_done": self.tokens_done, "tokens_per_second": self.tokens_done / elapsed,
                 "busy_tokens_per_second": self.tokens_done / self.busy_seconds if self.busy_seconds else None,
+                "seconds_per_chunk": {k: round(v / self.chunks_done, 4) for k, v in self.seconds.items()},
                 "updated": time.time(),
             }))
 
