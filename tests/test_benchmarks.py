@@ -103,6 +103,15 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
             {k: v for k, v in report["eval"][name].items() if "seconds" not in k}
 
 
+def test_quality_benchmark_compares_with_the_reference_on_the_first_prompts_only(tmp_path):
+    report, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "q"), "--reference-prompts", "1")
+    for name in ("mt_bench", "humaneval"):
+        result = report["eval"][name]
+        assert result["prompts"] == 2 and result["reference_prompts"] == 1
+        assert result["per_prompt_tau_equal"] == result["per_prompt_text_equal"] == 1
+        assert result["dflashq_tau_on_those"] == result["reference_tau"] >= 1.0
+
+
 def test_regenerate_benchmark_compares_engine_processes_on_the_same_records():
     report, _ = bench("regenerate.py", "--tiny")
     for processes in (1, 2):
