@@ -50,11 +50,22 @@ def write_config(tmp_path, redis_url, model, **extra) -> Path:
     return config
 
 
-def wait_busy(conn, name, proc, timeout=120):
+def start_up(config, workers: int) -> subprocess.Popen:
+    """`dflashq up` with `workers` CPU workers in the background, its output captured."""
+    return subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", str(workers),
+                             "--no-live"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(condition, proc, what: str, timeout=300, poll=0.2):
+    """Poll `condition` until it holds; fails with `what` past `timeout` or once `proc` has exited."""
     deadline = time.monotonic() + timeout
-    while not conn.hget(f"rq:worker:{name}", "current_job"):
-        assert time.monotonic() < deadline and proc.poll() is None, "worker never busy"
-        time.sleep(0.02)
+    while not condition():
+        assert time.monotonic() < deadline and proc.poll() is None, what
+        time.sleep(poll)
+
+
+def wait_busy(conn, name, proc, timeout=120):
+    wait_until(lambda: conn.hget(f"rq:worker:{name}", "current_job"), proc, "worker never busy", timeout, 0.02)
 
 
 def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_path, redis_url, tiny_qwen35):
@@ -65,8 +76,7 @@ def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_pat
     config = write_config(tmp_path, redis_url, tiny_qwen35)
     conn = redis.Redis.from_url(redis_url)
     keys = Keys("up")
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "2", "--no-live"],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    up = start_up(config, 2)
     try:
         wait_busy(conn, f"{HOST}.cpu0", up)
         assert cli("restart-worker", f"{HOST}.cpu0", "--config", str(config)).returncode == 0
@@ -210,13 +220,10 @@ def test_up_rides_through_a_killed_embedded_redis(tmp_path, tiny_qwen35):
     write_sample_data(tmp_path / "data.jsonl", n=160)
     config = write_config(tmp_path, "", tiny_qwen35, **{"redis.outage_seconds": 120})
     server = EmbeddedRedis(str(tmp_path / "store" / "up"))
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "2", "--no-live"],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    up = start_up(config, 2)
     try:
-        deadline = time.monotonic() + 300
-        while not (server.url() and redis.Redis.from_url(server.url()).xlen(Keys("up").results) >= 3):
-            assert time.monotonic() < deadline and up.poll() is None, "no blob announced"
-            time.sleep(0.2)
+        wait_until(lambda: server.url() and redis.Redis.from_url(server.url()).xlen(Keys("up").results) >= 3, up,
+                   "no blob announced")
         port = server.url()
         server.kill()
         out, err = up.communicate(timeout=900)
@@ -249,13 +256,9 @@ def test_up_gives_up_past_outage_seconds_and_a_rerun_finishes_the_run(tmp_path, 
     write_sample_data(tmp_path / "data.jsonl", n=160)
     config = write_config(tmp_path, redis_url, tiny_qwen35, **{"redis.outage_seconds": 3})
     conn, keys = redis.Redis.from_url(redis_url), Keys("up")
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "2", "--no-live"],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    up = start_up(config, 2)
     try:
-        deadline = time.monotonic() + 300
-        while conn.xlen(keys.results) < 3:
-            assert time.monotonic() < deadline and up.poll() is None, "no blob announced"
-            time.sleep(0.2)
+        wait_until(lambda: conn.xlen(keys.results) >= 3, up, "no blob announced")
         redis_server.kill()  # and it stays down: nothing heals a Redis of the user's own
         out, err = up.communicate(timeout=300)
     finally:
@@ -285,13 +288,10 @@ def test_up_stopped_by_a_signal_says_stopped_exports_nothing_and_a_rerun_finishe
     write_sample_data(tmp_path / "data.jsonl", n=160)
     config = write_config(tmp_path, redis_url, tiny_qwen35, **{"train.epochs": 3})
     conn, keys = redis.Redis.from_url(redis_url), Keys("up")
-    up = subprocess.Popen([sys.executable, "-m", "ops.cli", "up", "--config", str(config), "--workers", "1", "--no-live"],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    up = start_up(config, 1)
     try:
-        deadline = time.monotonic() + 300
-        while int(json.loads(conn.hget(keys.trainer, "step") or "0")) < 2:
-            assert time.monotonic() < deadline and up.poll() is None, "the trainer never stepped"
-            time.sleep(0.1)
+        wait_until(lambda: int(json.loads(conn.hget(keys.trainer, "step") or "0")) >= 2, up, "the trainer never stepped",
+                   poll=0.1)
         up.send_signal(signal.SIGTERM)
         out, err = up.communicate(timeout=300)
     finally:
