@@ -21,6 +21,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -346,7 +347,7 @@ def main() -> None:
     if args.regenerated and not output.exists():
         opener = gzip.open if args.regenerated.endswith(".gz") else open
         with opener(args.regenerated, "rb") as src, open(output, "wb") as dst:
-            dst.write(src.read())
+            shutil.copyfileobj(src, dst)
     for phase in PHASES:
         if phase in state:
             print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)

@@ -132,10 +132,7 @@ class Trainer:
         self.steps_at_start = self.state.step
         self.consumed_at_start = sum(len(v) for v in self.state.consumed.values())
         self.rank_chunks, self.rank_tokens, self.busy_seconds = 0, 0, 0.0  # this rank, this process: its training rate
-        # where a step's wall time goes, logged with it: between steps (waiting for blobs and the other ranks,
-        # checkpoints, Redis), reading its blobs (file, decode, copy to the device), computing
-        self.step_ended = time.perf_counter()
-        self.timing = {"between": 0.0, "read": 0.0, "compute": 0.0}
+        self.step_ended = time.perf_counter()  # the start of the first step's `between` (see _train)
         self.log_path = run.store.path(s.log_file)
         if self.ranks.leader:  # fields of ranks that a larger world of an earlier start left behind
             stale = [f for f in run.conn.hkeys(run.keys.trainer_ranks) if int(f) >= self.ranks.world_size]
@@ -237,6 +234,8 @@ class Trainer:
         ranks that DDP (or FSDP) takes of the gradients is their mean over the step's chunks; without a chunk the
         rank trains an empty batch, so that the gradient collectives run on every rank."""
         started = time.perf_counter()
+        # where the step's wall time goes, logged with it: between steps (waiting for blobs and the other ranks,
+        # checkpoints, Redis), reading its blobs (file, decode, copy to the device), computing
         self.timing = {"between": started - self.step_ended, "read": 0.0, "compute": 0.0}
         scale = self.ranks.world_size / chunks_in_step
         slots = self.drafter.config.block_size - 1
