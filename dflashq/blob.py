@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import struct
 import zlib
 from collections.abc import Iterator
@@ -93,12 +92,12 @@ def shuffle_bytes(t: torch.Tensor) -> torch.Tensor:
     return planes.permute(t.dim(), *range(t.dim())).contiguous()
 
 
-def unshuffle_bytes(planes: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of shuffle_bytes, on the CPU: uint8 [itemsize, *shape] -> `dtype` [*shape] (a new, writable tensor)."""
-    values = np.ascontiguousarray(np.moveaxis(planes, 0, -1))
-    if not values.flags.writeable:  # one plane (1-byte values) is the decompressed buffer itself
-        values = values.copy()
-    return torch.from_numpy(values).view(dtype).reshape(planes.shape[1:])
+def unshuffle_bytes(planes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of shuffle_bytes, on planes' device (the trainer's GPU: a transpose there takes microseconds, on a CPU
+    core longer than zstd): uint8 [itemsize, *shape] -> `dtype` [*shape]."""
+    if planes.shape[0] == 1:  # 1-byte values: nothing to interleave
+        return planes[0].view(dtype)
+    return planes.permute(*range(1, planes.dim()), 0).contiguous().view(dtype).reshape(planes.shape[1:])
 
 
 def _as_array(x, dtype) -> np.ndarray:
@@ -217,7 +216,7 @@ def _safetensors_buffers(tensors: dict[str, np.ndarray], metadata: dict[str, str
 
 @dataclasses.dataclass
 class Blob:
-    values: torch.Tensor  # [N, K, H] the target dtype (codec bf16) or float8 e4m3 (codec fp8)
+    planes: torch.Tensor  # [itemsize, N, K, H] uint8: byte planes of the stored values (on the CPU)
     input_ids: torch.Tensor  # [N] int32
     loss_mask: torch.Tensor  # [N] uint8
     offsets: torch.Tensor  # [S + 1] int64
@@ -239,11 +238,22 @@ class Blob:
         raw = self.metadata.get("relative_error")
         return json.loads(raw) if raw else None
 
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return FP8 if self.codec == "fp8" else self.dtype
+
+    @functools.cached_property
+    def values(self) -> torch.Tensor:
+        """[N, K, H] as stored: the target dtype (codec bf16) or float8 e4m3 (codec fp8), on the CPU."""
+        return unshuffle_bytes(self.planes, self.stored_dtype)
+
     def hidden_on(self, device: torch.device | str) -> torch.Tensor:
-        """[N, K, H] in the target dtype on `device`: an fp8 blob travels as 1-byte values and is dequantized there."""
+        """[N, K, H] in the target dtype on `device`: the byte planes travel as they are stored and are unshuffled
+        (and an fp8 blob dequantized) there."""
+        values = unshuffle_bytes(self.planes.to(device), self.stored_dtype)
         if self.scales is None:
-            return self.values.to(device)
-        return dequantize_fp8(self.values.to(device), self.scales.to(device), self.dtype)
+            return values
+        return dequantize_fp8(values, self.scales.to(device), self.dtype)
 
     @functools.cached_property
     def hidden(self) -> torch.Tensor:
@@ -303,8 +313,25 @@ def read_metadata(data: bytes | memoryview) -> dict[str, str]:
     return metadata
 
 
+def _decompress(compressed: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """zstd straight into a new uint8 tensor of `shape` (no copy of the output); reading past its end makes zstd
+    check the frame's content checksum, and finds a frame longer than the shape."""
+    out = torch.empty(shape, dtype=torch.uint8)
+    view, got = memoryview(out.numpy()).cast("B"), 0
+    with zstandard.ZstdDecompressor().stream_reader(compressed) as reader:
+        while got < len(view):
+            n = reader.readinto(view[got:])
+            if not n:
+                raise ValueError(f"hidden states end after {got} of {len(view)} bytes")
+            got += n
+        if reader.read(1):
+            raise ValueError(f"hidden states run past {len(view)} bytes")
+    return out
+
+
 def decode_blob(data: bytes) -> Blob:
-    """Parse, decompress, checksum-verify and unshuffle a blob; any damage raises BlobError."""
+    """Parse, decompress and checksum-verify a blob (its values are unshuffled where they are used: hidden_on); any
+    damage raises BlobError."""
     metadata = read_metadata(data)
     chunk = metadata["chunk_id"]
     fp8 = metadata.get("codec") == "fp8"
@@ -312,15 +339,14 @@ def decode_blob(data: bytes) -> Blob:
         tensors = safetensors.numpy.load(bytes(data))
         stored = FP8 if fp8 else _DTYPES[metadata["dtype"]]
         planes_shape = (torch.empty(0, dtype=stored).element_size(), *json.loads(metadata["shape"]))
-        raw = zstandard.ZstdDecompressor().decompress(tensors["hidden_zstd"], max_output_size=math.prod(planes_shape))
-        planes = np.frombuffer(raw, dtype=np.uint8).reshape(planes_shape)
+        planes = _decompress(tensors["hidden_zstd"], planes_shape)
         others = [tensors[name] for name in ("input_ids", "loss_mask", "offsets", "sample_index")]
         scales = tensors["scales"] if fp8 else None
     except Exception as exc:
         raise BlobError(f"blob of chunk {chunk} is corrupt ({type(exc).__name__}); re-extract the chunk.") from None
     if _checksum(others + ([scales] if fp8 else [])) != metadata["checksum"]:
         raise BlobError(f"blob of chunk {chunk} fails its checksum; re-extract the chunk.")
-    return Blob(unshuffle_bytes(planes, stored), *(torch.from_numpy(a) for a in others), metadata,
+    return Blob(planes, *(torch.from_numpy(a) for a in others), metadata,
                 torch.from_numpy(scales) if fp8 else None)
 
 

@@ -293,3 +293,32 @@ def test_out_of_memory_is_one_sentence_and_loses_nothing(tmp_path, redis_url, ti
     trained = final_state(settings).consumed[0]
     assert sorted(trained) == sorted(set(trained)) == stream_chunk_ids(run.conn, run.keys, 0)
     assert_backlog_drained(run)
+
+
+def test_the_next_steps_blobs_are_read_while_a_step_trains(tmp_path, redis_url, tiny_qwen35, monkeypatch):
+    """Reading a blob (file, zstd) overlaps the step before it: with every read and every step slowed, only the first
+    step waits for its blob; every chunk is still trained once."""
+    import trainer.daemon as daemon
+
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35)
+    run, report = produce_and_extract(settings)
+    real_read, real_backward = run.store.read, daemon.backward
+
+    def slow_read(path):
+        time.sleep(0.4)
+        return real_read(path)
+
+    def slow_backward(*args, **kwargs):
+        time.sleep(0.6)
+        return real_backward(*args, **kwargs)
+
+    monkeypatch.setattr(run.store, "read", slow_read)
+    monkeypatch.setattr(daemon, "backward", slow_backward)
+    result = Trainer(run, "cpu", progress=False).run_until_done()
+    assert result.consumed[0] == report.admitted >= 4
+    log = [json.loads(line) for line in Path(run.store.path(settings.train.log_file)).read_text().splitlines()]
+    reads = [r["seconds"]["read"] for r in log if "lr" in r]
+    assert reads[0] >= 0.35 and max(reads[1:]) < 0.2, reads
+    trained = final_state(settings).consumed[0]
+    assert sorted(trained) == sorted(set(trained)) == stream_chunk_ids(run.conn, run.keys, 0)
+    assert_backlog_drained(run)

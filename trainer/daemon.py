@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dflashq import manifest
-from dflashq.blob import decode_blob
+from dflashq import defaults, manifest
 from dflashq.chunk import micro_batches
 from dflashq.exceptions import BlobError, ConfigError
 from dflashq.run import Run
@@ -46,6 +45,7 @@ from trainer.consumer import Entry, ResultsConsumer
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loss import expected_acceptance_length
 from trainer.mask_token import resolve_mask_token
+from trainer.prefetch import Prefetcher
 from trainer.ranks import Ranks
 from trainer.step import WarmupCosine, backward, build_optimizer, collate, empty_batch, optimizer_step
 from trainer.target_head import TargetHead
@@ -120,6 +120,8 @@ class Trainer:
         self.consumer = ResultsConsumer(run.conn, run.keys, self.ranks.consumer, s.claim_idle_seconds,
                                         live=self.ranks.consumers)
         self.unacked: list[Entry] = []
+        self.upcoming: list[Entry] = []  # the next step's chunks, taken while this step trains (their blobs read ahead)
+        self.prefetch = Prefetcher(run.store, defaults.READ_AHEAD_THREADS)
         self.unacked_everywhere = 0  # over all ranks, as of the last step's offers
         self.duplicates: dict[int, int] = {}  # acknowledged since this rank's last offer
         self._store_order: tuple[int, list[str]] = (-1, [])  # retention `keep`: (epoch, its chunks in training order)
@@ -186,30 +188,39 @@ class Trainer:
         return self.state.epoch >= self.cfg.epochs
 
     # --- sources of chunks ----------------------------------------------------------------------------------
-    def _take(self) -> list[Entry]:
+    def _take(self, ahead_of: set[str] | None = None) -> list[Entry]:
         """This rank's chunks for the next step, up to train.chunks_per_step: stream entries (every epoch with
         retention `delete`, epoch 0 with `keep`), or with `keep` after epoch 0 its share of the epoch-0 blobs in the
         epoch's shuffled order. Re-deliveries of chunks the checkpoint already holds (a crash between checkpoint
-        and ack) are acknowledged at once, blob and all, and counted as duplicates."""
+        and ack) are acknowledged at once, blob and all, and counted as duplicates. Their blobs start reading at once.
+
+        `ahead_of`: the chunk ids of the step about to train (every rank's); the call then takes what is there
+        without waiting, and the next call starts from it (stream entries taken stay pending for this consumer, so a
+        restart re-reads them like any other unacknowledged entry). A store share is recomputed from the state each
+        time; taken ahead of the epoch's last step it is empty, so it never spans an epoch change."""
         if self.stop_requested:
             return []
         if self.run.settings.store.retention == "keep" and self.state.epoch > 0:
-            return self._store_share()
-        held: list[Entry] = []
-        while len(held) < self.cfg.chunks_per_step:
-            entries = self.consumer.read(count=self.cfg.chunks_per_step - len(held), block_ms=1000)
-            if not entries:
-                break
-            for entry in entries:
-                if entry.chunk in self.state.consumed_in(entry.epoch):
-                    self.duplicates[entry.epoch] = self.duplicates.get(entry.epoch, 0) + 1
-                    self._delete_blobs([entry])
-                    self._ack([entry])
-                else:
-                    held.append(entry)
+            self.upcoming = []
+            held = self._store_share(exclude=ahead_of or set())
+        else:
+            held, self.upcoming = self.upcoming, []
+            while len(held) < self.cfg.chunks_per_step:
+                entries = self.consumer.read(count=self.cfg.chunks_per_step - len(held),
+                                             block_ms=None if ahead_of is not None else 1000)
+                if not entries:
+                    break
+                for entry in entries:
+                    if entry.chunk in self.state.consumed_in(entry.epoch):
+                        self.duplicates[entry.epoch] = self.duplicates.get(entry.epoch, 0) + 1
+                        self._delete_blobs([entry])
+                        self._ack([entry])
+                    else:
+                        held.append(entry)
+        self.prefetch.ahead([e.path for e in held])
         return held
 
-    def _store_share(self) -> list[Entry]:
+    def _store_share(self, exclude: set[str]) -> list[Entry]:
         epoch = self.state.epoch
         if self._store_order[0] != epoch:  # once per epoch, not per step
             order = sorted(self.state.consumed_in(0))
@@ -217,7 +228,7 @@ class Trainer:
             self._store_order = (epoch, order)
         done = set(self.state.consumed_in(epoch))
         k = self.cfg.chunks_per_step
-        step = [c for c in self._store_order[1] if c not in done][:self.ranks.world_size * k]  # alike on every rank
+        step = [c for c in self._store_order[1] if c not in done and c not in exclude][:self.ranks.world_size * k]  # alike on every rank
         mine = step[self.ranks.rank * k:(self.ranks.rank + 1) * k]
         return [Entry("", chunk, self.run.store.blob_path(chunk, 0), epoch, 0) for chunk in mine]
 
@@ -263,7 +274,7 @@ class Trainer:
         slot [B-1], tokens."""
         read_started = time.perf_counter()
         try:  # on the training device: an fp8 blob crosses as 1-byte values and is dequantized there
-            samples = list(decode_blob(self.run.store.read(entry.path)).samples(self.device))
+            samples = list(self.prefetch.get(entry.path).samples(self.device))
         except (BlobError, FileNotFoundError) as exc:
             self._log({"event": "unreadable blob", "chunk": entry.chunk, "error": str(exc)})
             raise
@@ -412,6 +423,7 @@ class Trainer:
                         for epoch, n in offer.duplicates.items():
                             self.state.duplicates_skipped[epoch] = self.state.duplicates_skipped.get(epoch, 0) + n
                     if any(offer.chunks for offer in offers):  # else nobody steps
+                        self.upcoming = self._take(ahead_of={c for offer in offers for _, c in offer.chunks})
                         last = self._step(held, offers)
                         steps_this_run += 1
                     self._advance_epoch(offers[0].totals)
