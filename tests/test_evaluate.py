@@ -118,6 +118,32 @@ def test_evaluate_prompts_reports_tau_and_lossless(qwen35, tiny_qwen35, tmp_path
     assert [e["text"] for e in partial["prompts"]] == [e["text"] for e in report["prompts"]]
 
 
+def test_an_output_that_leaves_greedy_decoding_reports_where_and_by_what_margin(tiny_qwen35, tmp_path, monkeypatch):
+    """A speculative output that differs from plain greedy decoding is not lossless; at the first difference the
+    report gives the target's logit gap between greedy's pick and the speculative one (near zero: a rounding tie)."""
+    import trainer.evaluate as evaluate
+
+    exported = export_drafter(make_drafter(tiny_qwen35, block_size=4), tmp_path / "drafter")
+    evaluator = evaluate.PromptEvaluator(tiny_qwen35, exported)
+    real = evaluate.speculative_generate
+
+    def one_token_off(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.tokens[3] = (result.tokens[3] + 1) % 512
+        return result
+
+    monkeypatch.setattr(evaluate, "speculative_generate", one_token_off)
+    entry = evaluator.evaluate("Hello", max_new_tokens=8)
+    assert entry["lossless"] is False and entry["first_mismatch"] == 3
+    prompt = evaluator.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)["input_ids"]
+    greedy = greedy_generate(evaluator.target, prompt, 8, evaluator.stop_ids)
+    with torch.no_grad():
+        logits = evaluator.target(input_ids=torch.tensor([prompt + greedy[:3]])).logits[0, -1]
+    assert entry["mismatch_margin"] == pytest.approx(float(logits[greedy[3]] - logits[(greedy[3] + 1) % 512]), abs=1e-4)
+    assert entry["mismatch_margin"] > 0  # greedy took the larger logit
+
+
 def test_read_prompts_rejects_bad_lines(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')

@@ -189,17 +189,20 @@ class PromptEvaluator:
         self.stop_ids = eos_ids(self.target, self.tokenizer)
 
     def evaluate(self, prompt: str | list[dict], max_new_tokens: int, check_lossless: bool = True) -> dict:
-        """tau, passes and text of one prompt; lossless (None when not checked) with the first differing index.
+        """tau, passes and text of one prompt; lossless (None when not checked) with the first differing index and
+        the logit margin between the two picks there (mismatch_margin).
         The greedy check costs a target forward per token, more than the speculative run itself."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                         return_dict=True)["input_ids"]
         spec = speculative_generate(self.target, self.drafter, self.head, prompt_ids, max_new_tokens, self.stop_ids)
-        mismatch = None
+        mismatch = margin = None
         if check_lossless:
             reference = greedy_generate(self.target, prompt_ids, max_new_tokens, self.stop_ids)
             mismatch = next((i for i, (a, b) in enumerate(zip(spec.tokens, reference)) if a != b),
                             None if len(spec.tokens) == len(reference) else min(len(spec.tokens), len(reference)))
+            if mismatch is not None and mismatch < min(len(spec.tokens), len(reference)):
+                margin = self._margin(prompt_ids + reference[:mismatch], reference[mismatch], spec.tokens[mismatch])
         return {
             "text": self.tokenizer.decode(spec.tokens),
             "tau": spec.tau,
@@ -207,7 +210,18 @@ class PromptEvaluator:
             "new_tokens": len(spec.tokens),
             "lossless": mismatch is None if check_lossless else None,
             "first_mismatch": mismatch,
+            "mismatch_margin": margin,
         }
+
+    @torch.inference_mode()
+    def _margin(self, prefix: list[int], greedy_token: int, spec_token: int) -> float:
+        """How far apart the two picks at the first difference are: the target's logit of plain greedy's token minus
+        that of the speculative token, after the shared prefix. Near zero (bf16 logits differ in their last bits
+        between a block forward and a one-token step) is a near-tie flipped by rounding; large is a defect."""
+        device = next(self.target.parameters()).device
+        out, _ = _forward(self.target, torch.tensor([prefix], device=device), logits_to_keep=1)
+        logits = out.logits[0, -1].float()  # [V]
+        return float(logits[greedy_token] - logits[spec_token])
 
 
 def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[str | list[dict]],
