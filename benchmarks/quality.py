@@ -91,6 +91,7 @@ def write_config(work: Path, args) -> Path:
 [store]
 path = "runs"
 codec = "{args.codec}"
+retention = "{args.retention}"
 [model]
 path = "model"
 [data]
@@ -107,6 +108,7 @@ num_layers = {args.drafter_layers}
 block_size = {args.block_size}
 learning_rate = {args.learning_rate}
 num_anchors = {args.anchors}
+micro_batch_tokens = {args.micro_batch_tokens}
 attention = "{args.attention}"
 """)
     return config
@@ -207,6 +209,8 @@ def phase_eval(work: Path, args, settings) -> dict:
             "per_prompt_tau_equal": sum(abs(o["tau"] - r["reference_tau"]) < 1e-9 for o, r in compared),
             "per_prompt_text_equal": sum(o["text"] == r["reference_text"] for o, r in compared),
             "lossless_checked": len(checked), "lossless": sum(checked),
+            # at each output that left plain greedy decoding: the target's logit gap between the two picks there
+            "mismatch_margins": [round(o["mismatch_margin"], 4) for o in ours if o.get("mismatch_margin") is not None],
             "new_tokens": sum(o["new_tokens"] for o in ours),
             # summed over the shards, which ran at the same time
             "dflashq_process_seconds": round(sum(r["dflashq_seconds"] for r in rows), 1),
@@ -309,6 +313,9 @@ def main() -> None:
     # fp8 against bf16 on the same data: a second --work folder holding a copy of the first one's regenerated.jsonl
     # and state.json up to `regenerate`
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")
+    parser.add_argument("--retention", choices=["keep", "delete"], default="keep",
+                        help="store.retention: keep extracts once and trains later epochs from the store")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="train.micro_batch_tokens")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
     parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [CPU cores - 2 up to 12 on a GPU, else 1]")
