@@ -102,6 +102,7 @@ chunk_tokens = {max(args.max_length, args.chunk_tokens)}
 max_new_tokens = {args.response_tokens}
 batch_tokens = {args.regenerate_batch_tokens}
 processes = {args.regenerate_processes}
+continuous_batching = {str(args.continuous_batching).lower()}
 [train]
 epochs = {args.epochs}
 num_layers = {args.drafter_layers}
@@ -302,6 +303,7 @@ def main() -> None:
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
     parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
     parser.add_argument("--regenerate-processes", type=int, default=1, help="regenerate.processes")
+    parser.add_argument("--continuous-batching", action="store_true", help="regenerate.continuous_batching")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--chunk-tokens", type=int, default=16384)
     parser.add_argument("--epochs", type=int, default=2)

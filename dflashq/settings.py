@@ -112,6 +112,7 @@ class RegenerateSettings:
     retries: int = defaults.REGENERATE_RETRIES
     batch_tokens: int = defaults.REGENERATE_BATCH_TOKENS
     processes: int = defaults.REGENERATE_PROCESSES
+    continuous_batching: bool = defaults.REGENERATE_CONTINUOUS_BATCHING
     served_model: str = defaults.REGENERATE_SERVED_MODEL
     api_key: str = defaults.REGENERATE_API_KEY
 

@@ -17,6 +17,7 @@ from typing import Protocol
 import httpx
 import jinja2
 import torch
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from dflashq import defaults
 from dflashq.exceptions import ConfigError, InputError
@@ -64,7 +65,8 @@ class Engine(Protocol):
 class TransformersEngine:
     """The target from model.path on one device: length-sorted, left-padded batches through model.generate, each
     bounded by regenerate.batch_tokens (rows x (longest prompt + max_new_tokens), i.e. its KV cache; 0 sizes it
-    from the device's free memory) and regenerate's row cap. A batch that still runs out of memory is split."""
+    from the device's free memory) and regenerate's row cap. A batch that still runs out of memory is split. With
+    regenerate.continuous_batching, Transformers' `generate_batch` instead (attention-only targets)."""
 
     def __init__(self, settings: Settings, device: str = "cpu", memory_share: float = 1.0):
         self.options = settings.regenerate
@@ -79,6 +81,12 @@ class TransformersEngine:
         self.pad_id = pad if pad is not None else min(self.eos_ids)  # padding is masked: any id does
         self.generation_config = self._generation_config()
         self.batch_tokens = self.options.batch_tokens or auto_batch_tokens(self.model, self.device, memory_share)
+        layer_types = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ())
+        if self.options.continuous_batching and layer_types - {"full_attention", "sliding_attention"}:
+            raise ConfigError(
+                f"regenerate.continuous_batching needs a target with attention layers only, and {model.path} has "
+                f"{', '.join(sorted(layer_types - {'full_attention', 'sliding_attention'}))} layers: set it to false "
+                f"(or serve the target and pass --endpoint).")
         rows = max(1, min(defaults.REGENERATE_MAX_ROWS, self.batch_tokens // self.options.max_new_tokens))
         self.batch_size = BATCHES_PER_CALL * rows  # as if prompts were empty
 
@@ -115,8 +123,12 @@ class TransformersEngine:
             except (jinja2.TemplateError, ValueError, TypeError) as exc:
                 replies[index] = Reply(error=f"chat template error: {exc}")
         prompts.sort(key=lambda item: len(item[1]), reverse=True)  # longest first: out of memory shows at once
-        for batch in self._batches(prompts):
-            for (index, _), reply in zip(batch, self._generate([ids for _, ids in batch])):
+        if self.options.continuous_batching:  # one call: the paged cache admits rows as earlier ones finish
+            batches, generate = [prompts], self._generate_continuous
+        else:
+            batches, generate = self._batches(prompts), self._generate
+        for batch in batches:
+            for (index, _), reply in zip(batch, generate([ids for _, ids in batch])):
                 replies[index] = reply
         return replies
 
@@ -160,6 +172,31 @@ class TransformersEngine:
             half = len(rows) // 2  # the longest rows come first: both halves are about as wide as the whole
             return self._generate(rows[:half]) + self._generate(rows[half:])
         return [self._reply(tokens) for tokens in out[:, width:].tolist()]
+
+    @torch.inference_mode()
+    def _generate_continuous(self, rows: list[list[int]]) -> list[Reply]:
+        """Transformers' continuous batching over a paged KV cache of regenerate.batch_tokens tokens (at least the
+        longest row's): a finished row's pages go to the next waiting one at once, instead of idling until the
+        batch's longest row ends. A row it returns no result for gets an error Reply (redone by the next run)."""
+        page = defaults.REGENERATE_PAGE_TOKENS
+        longest = max(map(len, rows)) + self.options.max_new_tokens
+        config = ContinuousBatchingConfig(page_size=page, num_blocks=-(-max(self.batch_tokens, longest) // page),
+                                          max_batch_tokens=min(defaults.REGENERATE_STEP_TOKENS, self.batch_tokens))
+        out = self.model.generate_batch(inputs=rows, generation_config=self.generation_config,
+                                        continuous_batching_config=config, progress_bar=False)
+        by_prompt: dict[tuple[int, ...], list] = {}
+        for result in out.values():  # matched by prompt: rows are given back in input order, less any that failed
+            if getattr(result, "error", None) is None:
+                by_prompt.setdefault(tuple(result.prompt_ids), []).append(result)
+        if not by_prompt:
+            raise ConfigError(f"Transformers' continuous batching returned no result for {len(rows)} conversations "
+                              f"(see its log above): set regenerate.continuous_batching = false.")
+        replies = []
+        for ids in rows:
+            found = by_prompt.get(tuple(ids))
+            replies.append(self._reply(list(found.pop(0).generated_tokens)) if found else
+                           Reply(error="continuous batching returned no result for this conversation"))
+        return replies
 
     def _reply(self, tokens: list[int]) -> Reply:
         end = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)  # finished rows are padded after it

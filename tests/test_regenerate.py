@@ -31,7 +31,7 @@ from producers.engine_processes import EngineProcesses
 from producers.engines import EndpointEngine, TransformersEngine
 from producers.regenerate import record_key, regenerate
 from trainer.evaluate import greedy_generate
-from workers.tiny_model import EOS_ID
+from workers.tiny_model import EOS_ID, write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_NEW = 6
@@ -279,6 +279,29 @@ def test_a_batch_out_of_memory_is_split_and_answers_the_same(tiny_qwen35, target
     replies = engine.respond(histories)
     assert tried[:3] == [5, 2, 3] and sorted(ran) == [1, 2, 2]  # halves, split again until each fits
     assert [r.content for r in replies] == [target.reply(h.messages)[0] for h in histories]
+
+
+def test_continuous_batching_answers_as_padded_batches_do(tmp_path, tiny_qwen35):
+    """regenerate.continuous_batching (Transformers' generate_batch, here with a paged KV cache of one page, so rows
+    wait for it) gives every history the same greedy turn as plain decoding, in order; a
+    hybrid target, which generate_batch cannot run, is refused in one sentence."""
+    llama = write_tiny_model(str(tmp_path / "llama"), "llama")
+    plain = Target(llama)
+    histories = [normalize(chat(f"question number {i} " * (i + 1), "a")) for i in range(6)]
+    for history in histories:
+        history.messages.pop()  # ends where the target speaks
+    settings = S.load(None, [("model.path", llama), ("regenerate.max_new_tokens", MAX_NEW),
+                             ("regenerate.batch_tokens", 256), ("regenerate.continuous_batching", True)], environ={})
+    engine = TransformersEngine(settings, "cpu")
+    need = [len(plain.prompt_ids(h.messages)) + MAX_NEW for h in histories]
+    assert max(need) <= 256 < sum(need)  # one 256-token page: each row waits for the one before it to finish
+    replies = engine.respond(histories)
+    assert [(r.content, r.tokens, r.truncated, r.error) for r in replies] == \
+        [(*plain.reply(h.messages), None) for h in histories]
+    hybrid = S.load(None, [("model.path", tiny_qwen35), ("regenerate.continuous_batching", True)], environ={})
+    with pytest.raises(ConfigError, match="continuous_batching needs a target with attention layers only.*"
+                                          "linear_attention layers: set it to false"):
+        TransformersEngine(hybrid, "cpu")
 
 
 def test_kv_bytes_count_only_the_layers_that_cache_keys(tiny_qwen35, tmp_path):
