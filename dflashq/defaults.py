@@ -63,7 +63,6 @@ REGENERATE_PROCESSES = 1
 # finished rows refilled at once, CUDA graphs) instead of padded `generate` calls that each run until their longest row
 # ends; targets with attention layers only. Off until its speed is measured on a GPU.
 REGENERATE_CONTINUOUS_BATCHING = False
-REGENERATE_PAGE_TOKENS = 256  # continuous batching: tokens per KV cache page
 REGENERATE_STEP_TOKENS = 8192  # continuous batching: tokens (prefill and decode) per forward at most
 REGENERATE_API_KEY = ""  # endpoint engine: sent as `Authorization: Bearer <key>` (vLLM/SGLang --api-key); better in the environment
 REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists

@@ -173,14 +173,15 @@ class TransformersEngine:
             return self._generate(rows[:half]) + self._generate(rows[half:])
         return [self._reply(tokens) for tokens in out[:, width:].tolist()]
 
-    @torch.inference_mode()
     def _generate_continuous(self, rows: list[list[int]]) -> list[Reply]:
         """Transformers' continuous batching over a paged KV cache of regenerate.batch_tokens tokens (at least the
         longest row's): a finished row's pages go to the next waiting one at once, instead of idling until the
-        batch's longest row ends. A row it returns no result for gets an error Reply (redone by the next run)."""
-        page = defaults.REGENERATE_PAGE_TOKENS
+        batch's longest row ends. A row it returns no result for gets an error Reply (redone by the next run).
+        Not under inference_mode: generate_batch's own thread updates tensors made here in place (5.15 refuses)."""
+        stock = ContinuousBatchingConfig()
+        page = getattr(stock, "page_size", None) or stock.block_size  # tokens per page (block_size up to 5.15)
         longest = max(map(len, rows)) + self.options.max_new_tokens
-        config = ContinuousBatchingConfig(page_size=page, num_blocks=-(-max(self.batch_tokens, longest) // page),
+        config = ContinuousBatchingConfig(num_blocks=-(-max(self.batch_tokens, longest) // page),
                                           max_batch_tokens=min(defaults.REGENERATE_STEP_TOKENS, self.batch_tokens))
         out = self.model.generate_batch(inputs=rows, generation_config=self.generation_config,
                                         continuous_batching_config=config, progress_bar=False)
