@@ -82,11 +82,11 @@ class TransformersEngine:
         self.generation_config = self._generation_config()
         self.batch_tokens = self.options.batch_tokens or auto_batch_tokens(self.model, self.device, memory_share)
         layer_types = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ())
-        if self.options.continuous_batching and layer_types - {"full_attention", "sliding_attention"}:
+        other_layers = layer_types - {"full_attention", "sliding_attention"}  # what generate_batch cannot run
+        if self.options.continuous_batching and other_layers:
             raise ConfigError(
                 f"regenerate.continuous_batching needs a target with attention layers only, and {model.path} has "
-                f"{', '.join(sorted(layer_types - {'full_attention', 'sliding_attention'}))} layers: set it to false "
-                f"(or serve the target and pass --endpoint).")
+                f"{', '.join(sorted(other_layers))} layers: set it to false (or serve the target and pass --endpoint).")
         rows = max(1, min(defaults.REGENERATE_MAX_ROWS, self.batch_tokens // self.options.max_new_tokens))
         self.batch_size = BATCHES_PER_CALL * rows  # as if prompts were empty
 

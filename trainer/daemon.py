@@ -246,7 +246,7 @@ class Trainer:
         rank trains an empty batch, so that the gradient collectives run on every rank."""
         started = time.perf_counter()
         # where the step's wall time goes, logged with it: between steps (waiting for blobs and the other ranks,
-        # checkpoints, Redis), reading its blobs (file, decode, copy to the device), computing
+        # checkpoints, Redis), reading its blobs (waiting for the read-ahead, copy to the device, unshuffle), computing
         self.timing = {"between": started - self.step_ended, "read": 0.0, "compute": 0.0}
         scale = self.ranks.world_size / chunks_in_step
         slots = self.drafter.config.block_size - 1

@@ -33,9 +33,3 @@ class Prefetcher:
         """The decoded blob; read now if nobody asked for it ahead. Raises what reading it raised."""
         future = self.pending.pop(path, None)
         return future.result() if future is not None else self._read(path)
-
-    def close(self) -> None:
-        for future in self.pending.values():
-            future.cancel()
-        self.pending = {}
-        self.pool.shutdown(wait=True)
