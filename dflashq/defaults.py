@@ -59,11 +59,11 @@ REGENERATE_MAX_ROWS = 1024  # beyond it the per-step logits and sampling outgrow
 REGENERATE_CPU_BATCH_TOKENS = 65536  # batch_tokens 0 on the CPU
 # transformers engine: processes sharing the device (generate is bound by the core launching its kernels)
 REGENERATE_PROCESSES = 1
-# transformers engine: Transformers' continuous batching (`generate_batch`: a paged KV cache of batch_tokens tokens,
-# finished rows refilled at once, CUDA graphs) instead of padded `generate` calls that each run until their longest row
-# ends; targets with attention layers only. Off until its speed is measured on a GPU.
-REGENERATE_CONTINUOUS_BATCHING = False
-REGENERATE_STEP_TOKENS = 8192  # continuous batching: tokens (prefill and decode) per forward at most
+# transformers engine: how a batch is decoded. "static": a static KV cache with each decode step replayed as one CUDA
+# graph (producers/static_decoder.py; greedy, attention-only Llama/Mistral/Qwen2/Qwen3 targets); "generate":
+# Transformers' generate; "auto": static on a GPU where it applies, else generate. (Transformers' continuous batching,
+# generate_batch, was measured too and dropped: 2,013 tokens/s against generate's 3,235, H200, SmolLM2-135M.)
+REGENERATE_DECODER = "auto"
 REGENERATE_API_KEY = ""  # endpoint engine: sent as `Authorization: Bearer <key>` (vLLM/SGLang --api-key); better in the environment
 REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists
 

@@ -112,7 +112,7 @@ class RegenerateSettings:
     retries: int = defaults.REGENERATE_RETRIES
     batch_tokens: int = defaults.REGENERATE_BATCH_TOKENS
     processes: int = defaults.REGENERATE_PROCESSES
-    continuous_batching: bool = defaults.REGENERATE_CONTINUOUS_BATCHING
+    decoder: str = defaults.REGENERATE_DECODER
     served_model: str = defaults.REGENERATE_SERVED_MODEL
     api_key: str = defaults.REGENERATE_API_KEY
 
@@ -291,6 +291,8 @@ def _validate(settings: Settings) -> None:
          f"train.layer_types lists {len(settings.train.layer_types)} layers but train.num_layers is {settings.train.num_layers}"),
         (settings.train.attention in ("auto", "flex", "sdpa"), "train.attention must be 'auto', 'flex' or 'sdpa'"),
         (settings.store.codec in ("bf16", "fp8"), "store.codec must be 'bf16' or 'fp8'"),
+        (settings.regenerate.decoder in ("auto", "static", "generate"),
+         "regenerate.decoder must be 'auto', 'static' or 'generate'"),
         (settings.train.chunks_per_step >= 1, "train.chunks_per_step must be at least 1"),
         (settings.train.parallel in ("ddp", "fsdp"), "train.parallel must be 'ddp' or 'fsdp'"),
         (settings.train.rank_timeout_seconds > settings.redis.outage_seconds,

@@ -17,13 +17,13 @@ from typing import Protocol
 import httpx
 import jinja2
 import torch
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from dflashq import defaults
 from dflashq.exceptions import ConfigError, InputError
 from dflashq.settings import RegenerateSettings, Settings
 from dflashq.target import eos_ids, load_target
 from producers.conversation import Conversation
+from producers.static_decoder import StaticDecoder, unsupported_reason
 from producers.tokenize import load_tokenizer
 
 # Conversations handed over per respond() call, in engine batches (GPU batches, or requests in flight): enough that
@@ -65,8 +65,8 @@ class Engine(Protocol):
 class TransformersEngine:
     """The target from model.path on one device: length-sorted, left-padded batches through model.generate, each
     bounded by regenerate.batch_tokens (rows x (longest prompt + max_new_tokens), i.e. its KV cache; 0 sizes it
-    from the device's free memory) and regenerate's row cap. A batch that still runs out of memory is split. With
-    regenerate.continuous_batching, Transformers' `generate_batch` instead (attention-only targets)."""
+    from the device's free memory) and regenerate's row cap, each decoded by the static-cache decoder or by
+    Transformers' generate (regenerate.decoder). A batch that still runs out of memory is split."""
 
     def __init__(self, settings: Settings, device: str = "cpu", memory_share: float = 1.0):
         self.options = settings.regenerate
@@ -81,12 +81,7 @@ class TransformersEngine:
         self.pad_id = pad if pad is not None else min(self.eos_ids)  # padding is masked: any id does
         self.generation_config = self._generation_config()
         self.batch_tokens = self.options.batch_tokens or auto_batch_tokens(self.model, self.device, memory_share)
-        layer_types = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ())
-        other_layers = layer_types - {"full_attention", "sliding_attention"}  # what generate_batch cannot run
-        if self.options.continuous_batching and other_layers:
-            raise ConfigError(
-                f"regenerate.continuous_batching needs a target with attention layers only, and {model.path} has "
-                f"{', '.join(sorted(other_layers))} layers: set it to false (or serve the target and pass --endpoint).")
+        self.static = self._static_decoder(model.path)
         rows = max(1, min(defaults.REGENERATE_MAX_ROWS, self.batch_tokens // self.options.max_new_tokens))
         self.batch_size = BATCHES_PER_CALL * rows  # as if prompts were empty
 
@@ -98,10 +93,22 @@ class TransformersEngine:
 
     def close(self) -> None:
         """Give the target's weights and cached KV blocks back to the device (the process may go on to train)."""
-        self.model = None
+        self.model = self.static = None  # the static decoder holds the cache and the model too
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _static_decoder(self, path: str) -> StaticDecoder | None:
+        """regenerate.decoder: the static-cache decoder where it applies ("auto": on a GPU), else None (generate)."""
+        choice = self.options.decoder
+        reason = unsupported_reason(self.model)
+        if reason is None and self.options.temperature > 0:
+            reason = "it decodes greedily and regenerate.temperature is above 0"
+        if choice == "static" and reason:
+            raise ConfigError(f"regenerate.decoder = 'static' cannot decode {path}: {reason}; set it to 'auto' or 'generate'.")
+        if choice == "generate" or reason or (choice == "auto" and self.device.type != "cuda"):
+            return None
+        return StaticDecoder(self.model, self.options.max_new_tokens, self.eos_ids, self.pad_id)
 
     def _generation_config(self):
         # The checkpoint's own config (eos ids, and top_p / top_k that sampling should keep) with ours on top.
@@ -123,12 +130,8 @@ class TransformersEngine:
             except (jinja2.TemplateError, ValueError, TypeError) as exc:
                 replies[index] = Reply(error=f"chat template error: {exc}")
         prompts.sort(key=lambda item: len(item[1]), reverse=True)  # longest first: out of memory shows at once
-        if self.options.continuous_batching:  # one call: the paged cache admits rows as earlier ones finish
-            batches, generate = [prompts], self._generate_continuous
-        else:
-            batches, generate = self._batches(prompts), self._generate
-        for batch in batches:
-            for (index, _), reply in zip(batch, generate([ids for _, ids in batch])):
+        for batch in self._batches(prompts):
+            for (index, _), reply in zip(batch, self._generate([ids for _, ids in batch])):
                 replies[index] = reply
         return replies
 
@@ -152,52 +155,30 @@ class TransformersEngine:
         if batch:
             yield batch
 
-    @torch.inference_mode()
     def _generate(self, rows: list[list[int]]) -> list[Reply]:
+        try:
+            generated = self.static.decode(rows) if self.static else self._transformers_generate(rows)
+        except torch.OutOfMemoryError:
+            if len(rows) == 1:
+                raise ConfigError(f"The target ran out of GPU memory on one conversation of {len(rows[0])} tokens: "
+                                  f"lower regenerate.max_new_tokens or data.max_length, or use a larger GPU.") from None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(rows) // 2  # the longest rows come first: both halves are about as wide as the whole
+            return self._generate(rows[:half]) + self._generate(rows[half:])
+        return [self._reply(tokens) for tokens in generated]
+
+    @torch.inference_mode()
+    def _transformers_generate(self, rows: list[list[int]]) -> list[list[int]]:
         width = max(map(len, rows))
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, ids in enumerate(rows):  # left padding: every row's next token is at the same position
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
-        try:
-            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                      generation_config=self.generation_config)
-        except torch.OutOfMemoryError:
-            if len(rows) == 1:
-                raise ConfigError(f"The target ran out of GPU memory on one conversation of {width} tokens: lower "
-                                  f"regenerate.max_new_tokens or data.max_length, or use a larger GPU.") from None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            half = len(rows) // 2  # the longest rows come first: both halves are about as wide as the whole
-            return self._generate(rows[:half]) + self._generate(rows[half:])
-        return [self._reply(tokens) for tokens in out[:, width:].tolist()]
-
-    def _generate_continuous(self, rows: list[list[int]]) -> list[Reply]:
-        """Transformers' continuous batching over a paged KV cache of regenerate.batch_tokens tokens (at least the
-        longest row's): a finished row's pages go to the next waiting one at once, instead of idling until the
-        batch's longest row ends. A row it returns no result for gets an error Reply (redone by the next run).
-        Not under inference_mode: generate_batch's own thread updates tensors made here in place (5.15 refuses)."""
-        stock = ContinuousBatchingConfig()
-        page = getattr(stock, "page_size", None) or stock.block_size  # tokens per page (block_size up to 5.15)
-        longest = max(map(len, rows)) + self.options.max_new_tokens
-        config = ContinuousBatchingConfig(num_blocks=-(-max(self.batch_tokens, longest) // page),
-                                          max_batch_tokens=min(defaults.REGENERATE_STEP_TOKENS, self.batch_tokens))
-        out = self.model.generate_batch(inputs=rows, generation_config=self.generation_config,
-                                        continuous_batching_config=config, progress_bar=False)
-        by_prompt: dict[tuple[int, ...], list] = {}
-        for result in out.values():  # matched by prompt: rows are given back in input order, less any that failed
-            if getattr(result, "error", None) is None:
-                by_prompt.setdefault(tuple(result.prompt_ids), []).append(result)
-        if not by_prompt:
-            raise ConfigError(f"Transformers' continuous batching returned no result for {len(rows)} conversations "
-                              f"(see its log above): set regenerate.continuous_batching = false.")
-        replies = []
-        for ids in rows:
-            found = by_prompt.get(tuple(ids))
-            replies.append(self._reply(list(found.pop(0).generated_tokens)) if found else
-                           Reply(error="continuous batching returned no result for this conversation"))
-        return replies
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                  generation_config=self.generation_config)
+        return out[:, width:].tolist()
 
     def _reply(self, tokens: list[int]) -> Reply:
         end = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)  # finished rows are padded after it

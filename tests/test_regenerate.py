@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from dflashq import settings as S
@@ -30,6 +32,8 @@ from producers.conversation import normalize
 from producers.engine_processes import EngineProcesses
 from producers.engines import EndpointEngine, TransformersEngine
 from producers.regenerate import record_key, regenerate
+from producers import static_decoder
+from producers.static_decoder import StaticDecoder
 from trainer.evaluate import greedy_generate
 from workers.tiny_model import EOS_ID, write_tiny_model
 
@@ -281,27 +285,71 @@ def test_a_batch_out_of_memory_is_split_and_answers_the_same(tiny_qwen35, target
     assert [r.content for r in replies] == [target.reply(h.messages)[0] for h in histories]
 
 
-def test_continuous_batching_answers_as_padded_batches_do(tmp_path, tiny_qwen35):
-    """regenerate.continuous_batching (Transformers' generate_batch, here with a paged KV cache of one page, so rows
-    wait for it) gives every history the same greedy turn as plain decoding, in order; a
-    hybrid target, which generate_batch cannot run, is refused in one sentence."""
+def _tiny_qwen3(path: Path) -> str:
+    """A tiny Qwen3 (per-head q/k norms, 2 query heads per key/value head) with the llama test model's tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    llama = write_tiny_model(str(path / "llama"), "llama")
+    torch.manual_seed(1)
+    config = Qwen3Config(vocab_size=load_target(llama, "cpu").config.vocab_size, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=512)
+    Qwen3ForCausalLM(config).save_pretrained(path / "qwen3")
+    for name in os.listdir(llama):
+        if "token" in name or name.endswith(".jinja"):
+            shutil.copyfile(os.path.join(llama, name), path / "qwen3" / name)
+    return str(path / "qwen3")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_static_decoder_decodes_as_generate_does(tmp_path, arch, monkeypatch):
+    """The static-cache decoder (its eager step, which a GPU replays as a CUDA graph) gives each left-padded row of
+    a batch the same greedy tokens as Transformers' generate, up to the row's end id, on Llama and Qwen3 layouts."""
+    path = write_tiny_model(str(tmp_path / "llama"), "llama") if arch == "llama" else _tiny_qwen3(tmp_path)
+    model = load_target(path, "cpu")
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randint(10, 1000, (n,), generator=generator).tolist() for n in (9, 3, 17, 1, 12)]
+    new = 24
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[:, width:].tolist()
+    eos = expected[1][5]  # a token some row emits: that row's output ends there, the others run on
+    decoded = StaticDecoder(model, new, {eos}, pad_id=0).decode(rows)
+
+    def upto_end(tokens):
+        return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+    assert [upto_end(t) for t in decoded] == [upto_end(t) for t in expected]
+    assert all(len(t) == new for t in decoded) and len(upto_end(decoded[1])) <= 6
+    monkeypatch.setattr(static_decoder, "PROMPT_TOKENS", 2 * width)  # prompts in slices of two rows: the same
+    assert StaticDecoder(model, new, {eos}, pad_id=0).decode(rows) == decoded
+
+
+def test_static_decoder_in_the_engine(tmp_path, tiny_qwen35):
+    """regenerate.decoder = "static" answers every history with the target's own greedy turn, in order; a hybrid
+    target or a sampling temperature, which it cannot decode, is refused in one sentence naming the setting."""
     llama = write_tiny_model(str(tmp_path / "llama"), "llama")
     plain = Target(llama)
     histories = [normalize(chat(f"question number {i} " * (i + 1), "a")) for i in range(6)]
     for history in histories:
         history.messages.pop()  # ends where the target speaks
     settings = S.load(None, [("model.path", llama), ("regenerate.max_new_tokens", MAX_NEW),
-                             ("regenerate.batch_tokens", 256), ("regenerate.continuous_batching", True)], environ={})
+                             ("regenerate.batch_tokens", 256), ("regenerate.decoder", "static")], environ={})
     engine = TransformersEngine(settings, "cpu")
-    need = [len(plain.prompt_ids(h.messages)) + MAX_NEW for h in histories]
-    assert max(need) <= 256 < sum(need)  # one 256-token page: each row waits for the one before it to finish
+    assert engine.static is not None
     replies = engine.respond(histories)
     assert [(r.content, r.tokens, r.truncated, r.error) for r in replies] == \
         [(*plain.reply(h.messages), None) for h in histories]
-    hybrid = S.load(None, [("model.path", tiny_qwen35), ("regenerate.continuous_batching", True)], environ={})
-    with pytest.raises(ConfigError, match="continuous_batching needs a target with attention layers only.*"
-                                          "linear_attention layers: set it to false"):
-        TransformersEngine(hybrid, "cpu")
+    assert TransformersEngine(S.load(None, [("model.path", llama)], environ={}), "cpu").static is None  # auto: GPU only
+    for path, extra, why in ((tiny_qwen35, [], "its architecture .qwen3_5_text. is not one of llama, mistral, qwen2, qwen3"),
+                             (llama, [("regenerate.temperature", 0.7)], "regenerate.temperature is above 0")):
+        refused = S.load(None, [("model.path", path), ("regenerate.decoder", "static"), *extra], environ={})
+        with pytest.raises(ConfigError, match=f"regenerate.decoder = 'static' cannot decode .*{why}; set it to 'auto'"):
+            TransformersEngine(refused, "cpu")
+    with pytest.raises(ConfigError, match="regenerate.decoder must be"):
+        S.load(None, [("regenerate.decoder", "fast")], environ={})
 
 
 def test_kv_bytes_count_only_the_layers_that_cache_keys(tiny_qwen35, tmp_path):
