@@ -101,12 +101,18 @@ def main() -> None:
             started = time.perf_counter()
             with local_engine(settings, device) as engine:
                 report = regenerate(settings, [str(prompts)], str(out), engine, progress=False)
+                static = getattr(engine, "static", None)
+                # the static decoder's own split: prompt forwards, graph captures, decode steps (rows x steps run)
+                phases = ({k: round(v, 2) for k, v in static.seconds.items()} | {"row_steps": static.row_steps}
+                          if static else None)
             wall = time.perf_counter() - started
             result[name] = {
                 "regenerated": report.regenerated, "rejected": report.rejected, "failed": report.failed,
                 "generated_tokens": report.tokens,
                 "tokens_per_s": round(report.tokens_per_second, 1), "wall_seconds": round(wall, 1),
                 "tokens_per_wall_s": round(report.tokens / wall, 1)}
+            if phases:
+                result[name]["static_decoder_seconds"] = phases
             print(f"{name}: {json.dumps(result[name])}", file=sys.stderr, flush=True)
             written = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
             outputs.append(written)

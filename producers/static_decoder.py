@@ -14,6 +14,9 @@ Targets: Llama, Qwen2, Qwen3, Mistral-style decoders whose layers are all full a
 
 from __future__ import annotations
 
+import collections
+import time
+
 import torch
 
 # model_type -> the layer layout this decoder reproduces: pre-norm decoder layers of q/k/v/o projections (Qwen3 with
@@ -61,6 +64,10 @@ class StaticDecoder:
         self.eos = torch.tensor(sorted(eos_ids), device=self.device)
         self.graph = None
         self.shape = None  # (rows, cache width) the graph and buffers were made for
+        # where the time went, summed over batches (the GPU waited for at each phase's end): prompt forwards, graph
+        # captures, decode steps; and steps x rows decoded, finished rows included (what the decode time bought)
+        self.seconds: collections.Counter = collections.Counter()
+        self.row_steps = 0
 
     # --- the layer stack, shared by the prompt forward and the decode step -----------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
@@ -87,6 +94,7 @@ class StaticDecoder:
     # --- one batch ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, rows: list[list[int]]) -> list[list[int]]:
+        started = time.perf_counter()
         width = max(map(len, rows))
         self._buffers(len(rows), width + self.max_new_tokens)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -123,13 +131,27 @@ class StaticDecoder:
         self.step.zero_()
         self.generated[:, 0] = self.tokens[:, 0]
         self.done.copy_(self._ended(self.tokens[:, 0]))
+        started = self._lap("prompt", started)
         steps = 1
         while steps < self.max_new_tokens:
+            if self.graph is None and self.device.type == "cuda":
+                self._capture()
+                started = self._lap("capture", started)
             self._replay()
             steps += 1
             if steps % DONE_CHECK_STEPS == 0 and bool(self.done.all()):
                 break
-        return self.generated[:, :steps].tolist()
+        generated = self.generated[:, :steps].tolist()
+        self._lap("decode", started)
+        self.row_steps += len(rows) * (steps - 1)
+        return generated
+
+    def _lap(self, phase: str, started: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[phase] += now - started
+        return now
 
     def _ended(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.eos).any(-1)  # [R]; an elementwise test, safe to capture
@@ -180,10 +202,8 @@ class StaticDecoder:
         self.shape = (rows, width)
 
     def _replay(self) -> None:
-        if self.device.type != "cuda":
+        if self.graph is None:  # the CPU: no graphs, the same step eagerly
             return self._decode_step()
-        if self.graph is None:
-            self._capture()
         self.graph.replay()
 
     def _capture(self) -> None:

@@ -120,6 +120,8 @@ def test_regenerate_benchmark_compares_engine_processes_and_decoders_on_the_same
         assert result["generated_tokens"] > 0 and result["tokens_per_s"] > 0 and result["wall_seconds"] > 0
         # greedy in float32: one engine, two, or the static decoder write the same turns
         assert result["same_records_as_first"] == 12
+    split = report["static"]["static_decoder_seconds"]  # the CPU captures no graph
+    assert split["prompt"] > 0 and split["decode"] > 0 and "capture" not in split and split["row_steps"] >= 12
 
 
 def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
