@@ -103,8 +103,8 @@ class Bench:
         for job in Job.fetch_many(list(tokens), connection=run.conn):
             if job is None or job.started_at is None or job.ended_at is None:
                 continue
-            rows.append({"worker": job.worker_name, "started": seconds(job.started_at), "ended": seconds(job.ended_at),
-                         "tokens": tokens[job.id]})
+            rows.append({"id": job.id, "worker": job.worker_name, "started": seconds(job.started_at),
+                         "ended": seconds(job.ended_at), "tokens": tokens[job.id]})
         return sorted(rows, key=lambda r: r["started"])
 
     def drain(self, run_name: str, workers: int) -> dict:
@@ -152,15 +152,22 @@ class Bench:
         if proc.wait() != EXIT_RESTART:
             sys.exit(f"the worker exited with {proc.returncode} on a warm restart, not {EXIT_RESTART}")
         exited = time.time()
+        # read now: a finished chunk's job hash expires 10 minutes after it ends (admission.FINISHED_JOB_TTL), and on a
+        # slow machine the second worker can outlast that (the likely reason a run on a loaded VM counted one too few)
+        before = self.jobs(run)
         second = self.spawn(run, 0, burst=True)  # at once, as `dflashq up` restarts it
         if second.wait() != 0:
             sys.exit(f"the restarted worker exited with {second.returncode}; see the logs in {self.store}")
-        jobs = self.jobs(run)
-        before = [j for j in jobs if j["ended"] <= exited]
-        after = [j for j in jobs if j["started"] > exited]
+        done_before = {j["id"] for j in before}
+        later = [j for j in self.jobs(run) if j["started"] > exited]
+        redone = sorted(j["id"] for j in later if j["id"] in done_before)
+        after = [j for j in later if j["id"] not in done_before]
+        if redone:  # a warm stop hands over only chunks it has not finished: none may run twice
+            sys.exit(f"restart phase: chunks {redone} ran before the restart and again after it")
         if not before or not after or len(before) + len(after) != report.admitted:
+            missing = sorted(set(run.conn.smembers(run.keys.finished)) - {j["id"].encode() for j in before + after})
             sys.exit(f"restart phase: {len(before)} chunks before and {len(after)} after the restart, "
-                     f"{report.admitted} admitted")
+                     f"{report.admitted} admitted; finished but not counted: {[m.decode() for m in missing]}")
 
         def rate(job):
             return job["tokens"] / max(job["ended"] - job["started"], 1e-9)
