@@ -326,11 +326,12 @@ def main() -> None:
                         help="prompts of each benchmark also run through the reference dflash loop [all]")
     parser.add_argument("--lossless-prompts", type=int, default=16,
                         help="prompts of each benchmark also checked against plain greedy decoding")
-    # regeneration is the costliest phase on a GPU; the same prompts' earlier output lets a run skip it
+    # the same prompts' earlier output lets a run skip regeneration (5 GPU-minutes for all of ShareGPT's that fit)
     parser.add_argument("--regenerated", default=None,
                         help="an earlier run's regenerate output (.jsonl or .jsonl.gz) for the same prompts: its "
                              "records count as done (e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz "
-                             "for --conversations 3000 --response-tokens 256)")
+                             "for --conversations 3000 --response-tokens 256, or ...-10077.jsonl.gz for "
+                             "--conversations 10077, all that fit)")
     parser.add_argument("--stop-after", choices=PHASES, default=None,
                         help="end after this phase; a later run goes on from the next (e.g. the eval on another machine)")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
