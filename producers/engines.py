@@ -23,7 +23,7 @@ from dflashq.exceptions import ConfigError, InputError
 from dflashq.settings import RegenerateSettings, Settings
 from dflashq.target import eos_ids, load_target
 from producers.conversation import Conversation
-from producers.static_decoder import StaticDecoder, unsupported_reason
+from producers.static_decoder import StaticDecoder, left_padded, unsupported_reason
 from producers.tokenize import load_tokenizer
 
 # Conversations handed over per respond() call, in engine batches (GPU batches, or requests in flight): enough that
@@ -170,12 +170,9 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def _transformers_generate(self, rows: list[list[int]]) -> list[list[int]]:
-        width = max(map(len, rows))
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, ids in enumerate(rows):  # left padding: every row's next token is at the same position
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention_mask[i, width - len(ids):] = 1
+        input_ids, pads = left_padded(rows, self.pad_id)
+        width = input_ids.shape[1]
+        attention_mask = (torch.arange(width)[None, :] >= pads[:, None]).long()  # [R, width]: 0 on the padding
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                   generation_config=self.generation_config)
         return out[:, width:].tolist()

@@ -5,9 +5,10 @@ with up to 1024 rows (its continuous batching, `generate_batch`, 2,013), the GPU
 kernel-launch work of each step. Here a batch's left-padded rows share one preallocated cache
 [layers, rows, kv_heads, width + max_new_tokens, head_dim]; the prompt is one forward, and every decode step (all
 layers, the head, the argmax and the bookkeeping) is captured once as a CUDA graph and replayed, so a step costs
-no Python or launch work (measured 3.6x generate's tokens/s; `seconds` says where a batch's time goes). It runs the target's own modules (embedding, norms, projections, rotary embedding, MLP, head);
-only the attention over the cache is written here, as softmax(q k^T * scaling) v per key/value head group. On the
-CPU the same step runs eagerly (tests check it against `generate`, token for token).
+no Python or launch work (measured 3.6x generate's tokens/s; `seconds` says where a batch's time goes). It runs the
+target's own modules (embedding, norms, projections, rotary embedding, MLP, head); only the attention over the cache
+is written here, as softmax(q k^T * scaling) v per key/value head group. On the CPU the same step runs eagerly (tests
+check it against `generate`, token for token).
 
 Targets: Llama, Qwen2, Qwen3, Mistral-style decoders whose layers are all full attention (`unsupported_reason`).
 """
@@ -36,6 +37,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if layer_types != {"full_attention"} or sliding:
         return "it has sliding-window or other non-full-attention layers"
     return None
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids, left-padded so every row's next token lands in the same column: ids [R, width] and each row's
+    padding count [R] (both on the CPU)."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+    return ids, torch.tensor([width - len(row) for row in rows])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,11 +108,7 @@ class StaticDecoder:
         started = time.perf_counter()
         width = max(map(len, rows))
         self._buffers(len(rows), width + self.max_new_tokens)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        pads = torch.tensor([width - len(r) for r in rows])
-        for i, row in enumerate(rows):  # left padding: every row's next token lands in the same cache column
-            ids[i, width - len(row):] = torch.tensor(row)
-        ids, pads = ids.to(self.device), pads.to(self.device)
+        ids, pads = (t.to(self.device) for t in left_padded(rows, self.pad_id))
         columns = torch.arange(width, device=self.device)
         positions = (columns[None, :] - pads[:, None]).clamp(min=0)  # [R, width]: each row counts from its first token
         self.visible.zero_()
@@ -209,16 +216,15 @@ class StaticDecoder:
     def _capture(self) -> None:
         """Capture the decode step on the state as it stands (the first replay runs it): the warm-up runs that
         capture needs (cuBLAS workspaces, lazy init) work on a saved copy of the state, which is then put back."""
-        saved = [t.clone() for t in (self.visible, self.tokens, self.positions, self.column, self.step,
-                                      self.generated, self.done)]
+        state = (self.visible, self.tokens, self.positions, self.column, self.step, self.generated, self.done)
+        saved = [t.clone() for t in state]
         column = int(self.column)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._decode_step()  # writes the cache at `column`, which the first replay rewrites the same way
         torch.cuda.current_stream().wait_stream(stream)
-        for live, copy in zip((self.visible, self.tokens, self.positions, self.column, self.step, self.generated,
-                               self.done), saved):
+        for live, copy in zip(state, saved):
             live.copy_(copy)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
