@@ -135,8 +135,7 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
     source = batches(args, cfg, device, head_dtype, torch.Generator().manual_seed(1 + ranks.rank))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, flops, samples, tokens = [], [], [], 0
-    start = time.perf_counter()
+    times, flops, samples, tokens = [], [], [], []
     for _ in range(args.warmup_steps + args.steps):  # the first ones compile flex attention and the block masks
         batch = next(source)
         # the step's own anchor draws, for its FLOP count
@@ -150,8 +149,7 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
         times.append(time.perf_counter() - t0)
         flops.append(sum(step_flops(cfg, int(row.sum()), a[None]) for row, a in zip(batch.loss_mask, anchors)))
         samples.append(batch.loss_mask.shape[0])
-        tokens += int(batch.loss_mask.sum())
-    total_s = time.perf_counter() - start
+        tokens.append(int(batch.loss_mask.sum()))
     timed, timed_flops = times[args.warmup_steps:], flops[args.warmup_steps:]
     median = statistics.median(timed)
     seconds = sum(timed)
@@ -172,7 +170,8 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
         "step_ms": round(1000 * seconds / args.steps, 1),
         "median_step_ms": round(1000 * median, 1),
         "samples_per_s": round(sum(samples[args.warmup_steps:]) / seconds, 3),
-        "tokens_per_s": round(tokens / total_s, 1),
+        # over the timed steps, as samples_per_s: with the warm-up in, a fresh compile cache would dominate it
+        "tokens_per_s": round(sum(tokens[args.warmup_steps:]) / seconds, 1),
         "matmul_tflops": round(ceiling, 1),
         "model_tflops": round(sum(timed_flops) / seconds / 1e12, 1),
         "mfu": round(sum(timed_flops) / seconds / 1e12 / ceiling, 3) if device.type == "cuda" else None,

@@ -37,6 +37,9 @@ POLL_SECONDS = 0.5
 BATCH_TOKENS = 16384
 HEARTBEAT_SECONDS = 5
 WORKER_TTL = 30  # a worker silent this long is dead; its chunk is re-queued
+# A queued chunk that no queue list, registry or worker has held this long is re-queued (workers/recovery.py); far
+# above the milliseconds between a live worker's pop and RQ recording the start
+ORPHAN_SECONDS = 30
 JOB_TIMEOUT = 3600
 COMPRESS_LEVEL = 1  # measured: on bf16 activations level 1 compresses as well as 3 and runs about 2x faster
 WRITER_THREADS = 4

@@ -63,6 +63,8 @@ def test_codec_benchmark_compares_both_codecs_on_the_same_states():
 def test_train_benchmark_steps():
     report, _ = bench("train.py", "--tiny", "--steps", "2", "--warmup-steps", "1")
     assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])
+    # both rates over the timed steps only (the warm-up step, which compiles on a GPU, left out)
+    assert report["tokens_per_s"] == pytest.approx(report["seq_len"] * report["samples_per_s"], rel=1e-3)
 
 
 def test_produce_benchmark_admits_every_conversation():

@@ -314,3 +314,29 @@ def test_a_chunk_rq_cleaned_up_as_abandoned_is_requeued_not_failed(tmp_path, red
     assert survivor.returncode == 0, survivor.stderr[-3000:]
     assert held in stream_chunks(conn, run.keys) and int(conn.get(run.keys.requeued) or 0) >= 1
     assert_exactly_once(run, report)
+
+
+def test_a_chunk_popped_by_a_worker_that_lost_redis_is_requeued_once_orphaned(tmp_path, redis_url, tiny_qwen35,
+                                                                              monkeypatch):
+    """RQ pops from a worker's several queues with a plain BLPOP: a worker that loses Redis (or dies) right after the
+    pop leaves the chunk queued in no list, which no registry shows (seen when a Redis outage stranded a rerun of
+    `up` for good). Recovery re-queues it at the front once it has stayed orphaned for ORPHAN_SECONDS, never at the
+    first sighting, and a worker then extracts every chunk exactly once."""
+    from dflashq import defaults
+    from workers import recovery
+
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35)
+    run, report = admit_sample_data(settings, 120)
+    conn = run.conn
+    shared = Queue(run.keys.shared_queue, connection=conn, serializer=JSONSerializer)
+    assert len(shared) >= 3
+    orphan = conn.lpop(shared.key).decode()  # what the lost worker's BLPOP took
+    monkeypatch.setattr(defaults, "ORPHAN_SECONDS", 1)
+    assert recovery.recover(conn, run.keys, [shared]) == []  # first sighting: could be a live worker's pop
+    time.sleep(2.1)  # Redis's clock counts whole seconds
+    assert recovery.recover(conn, run.keys, [shared]) == [orphan]
+    assert shared.get_job_ids()[0] == orphan and int(conn.get(run.keys.requeued)) == 1
+    assert recovery.recover(conn, run.keys, [shared]) == []  # queued again: nothing more to do
+    worker = subprocess.run(worker_cmd(settings, 0, burst=True), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    assert_exactly_once(run, report)

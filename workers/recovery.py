@@ -5,7 +5,10 @@ unannounced chunk whose blob is still being compressed and written in its writer
 its RQ key has expired (no heartbeat for `worker_ttl` seconds), or, for a restart on the same host, at once when
 its recorded pid no longer runs. RQ alone would move an abandoned job to the failed registry; we usually get there
 first, and where RQ's own registry cleanup got there first (after a Redis outage every worker's heartbeats lapse at
-once), the chunk is taken back out of the failed registry and re-queued at the front just the same.
+once), the chunk is taken back out of the failed registry and re-queued at the front just the same. A third way
+to lose a chunk: RQ pops a job from several queues with a plain BLPOP (its copy-keeping BLMOVE serves one queue only),
+so a worker that loses Redis or dies between the pop and recording the start leaves a queued chunk in no list; such
+an orphan is re-queued once it has stayed so for defaults.ORPHAN_SECONDS.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import current_timestamp
 from rq.worker_registration import unregister
 
+from dflashq import defaults
 from dflashq.budget import release_all
 from dflashq.keys import Keys
 
@@ -133,7 +137,7 @@ def recover(conn: redis.Redis, keys: Keys, queues: list[Queue]) -> list[str]:
     requeued = []
     for name in sorted(holders):
         requeued += release_worker(conn, keys, name, queues)
-    return requeued + reclaim_abandoned(conn, keys, queues)
+    return requeued + reclaim_abandoned(conn, keys, queues) + reclaim_orphans(conn, keys)
 
 
 ABANDONED = "due to AbandonedJobError"  # what RQ's StartedJobRegistry.cleanup writes into a job it moves to failed
@@ -158,6 +162,36 @@ def reclaim_abandoned(conn: redis.Redis, keys: Keys, queues: list[Queue]) -> lis
             if conn.zrem(failed.key, job_id):  # one of several recovering workers takes it
                 requeue_front(conn, job)
                 reclaimed.append(job_id)
+    if reclaimed:
+        conn.incrby(keys.requeued, len(reclaimed))
+    return reclaimed
+
+
+def reclaim_orphans(conn: redis.Redis, keys: Keys) -> list[str]:
+    """Chunks in flight whose job is queued yet in no queue list (popped by a worker that then lost Redis or died),
+    each re-queued at the front of its queue once two sightings defaults.ORPHAN_SECONDS apart (Redis's clock) found
+    it so: a live worker's pop-to-start gap never lasts that long."""
+    reclaimed = []
+    now_s = conn.time()[0]
+    for raw in conn.smembers(keys.inflight):
+        job_id = raw.decode()
+        seen = f"{keys.prefix}orphan:{job_id}"
+        try:
+            job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        except NoSuchJobError:
+            continue  # admitted, not yet enqueued: the producer's part
+        queue = Queue(job.origin, connection=conn, serializer=JSONSerializer)
+        orphaned = (not conn.sismember(keys.finished, job_id) and job.get_status() == JobStatus.QUEUED
+                    and conn.lpos(queue.key, job_id) is None)
+        if not orphaned:
+            conn.delete(seen)
+            continue
+        if conn.set(seen, now_s, nx=True, ex=24 * 3600):
+            continue  # first sighting
+        first = conn.get(seen)
+        if first is not None and now_s - int(first) >= defaults.ORPHAN_SECONDS and conn.delete(seen):
+            requeue_front(conn, job)  # the delete above let one of several recovering workers take it
+            reclaimed.append(job_id)
     if reclaimed:
         conn.incrby(keys.requeued, len(reclaimed))
     return reclaimed
