@@ -36,6 +36,10 @@ class Keys:
         """Hash chunk id -> bytes reserved by one worker (so a dead worker's reservations can be released)."""
         return f"{self.prefix}reservations:{worker_name}"
 
+    def orphan_seen(self, job_id: str) -> str:
+        """When recovery first found chunk `job_id` queued in no list (Redis's clock, seconds; workers/recovery.py)."""
+        return f"{self.prefix}orphan:{job_id}"
+
     @property
     def blob_bytes(self) -> str:
         """Hash chunk id -> bytes of its announced, unacknowledged blob (keeps store_bytes exact on re-runs)."""

@@ -170,19 +170,16 @@ def reclaim_abandoned(conn: redis.Redis, keys: Keys, queues: list[Queue]) -> lis
 def reclaim_orphans(conn: redis.Redis, keys: Keys) -> list[str]:
     """Chunks in flight whose job is queued yet in no queue list (popped by a worker that then lost Redis or died),
     each re-queued at the front of its queue once two sightings defaults.ORPHAN_SECONDS apart (Redis's clock) found
-    it so: a live worker's pop-to-start gap never lasts that long."""
+    it so: a live worker's pop-to-start gap never lasts that long. Reads two job fields per chunk, never its
+    payload: a job is fetched whole only to be re-queued."""
     reclaimed = []
     now_s = conn.time()[0]
     for raw in conn.smembers(keys.inflight):
         job_id = raw.decode()
-        seen = f"{keys.prefix}orphan:{job_id}"
-        try:
-            job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
-        except NoSuchJobError:
-            continue  # admitted, not yet enqueued: the producer's part
-        queue = Queue(job.origin, connection=conn, serializer=JSONSerializer)
-        orphaned = (not conn.sismember(keys.finished, job_id) and job.get_status() == JobStatus.QUEUED
-                    and conn.lpos(queue.key, job_id) is None)
+        seen = keys.orphan_seen(job_id)
+        status, origin = conn.hmget(Job.key_for(job_id), "status", "origin")  # both None: not yet enqueued
+        orphaned = (status == JobStatus.QUEUED.value.encode() and not conn.sismember(keys.finished, job_id)
+                    and conn.lpos(Queue.redis_queue_namespace_prefix + origin.decode(), job_id) is None)
         if not orphaned:
             conn.delete(seen)
             continue
@@ -190,7 +187,10 @@ def reclaim_orphans(conn: redis.Redis, keys: Keys) -> list[str]:
             continue  # first sighting
         first = conn.get(seen)
         if first is not None and now_s - int(first) >= defaults.ORPHAN_SECONDS and conn.delete(seen):
-            requeue_front(conn, job)  # the delete above let one of several recovering workers take it
+            try:  # the delete above let one of several recovering workers take it
+                requeue_front(conn, Job.fetch(job_id, connection=conn, serializer=JSONSerializer))
+            except NoSuchJobError:
+                continue
             reclaimed.append(job_id)
     if reclaimed:
         conn.incrby(keys.requeued, len(reclaimed))
