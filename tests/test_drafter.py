@@ -8,7 +8,10 @@ import torch.nn.functional as F
 
 from dflashq import defaults
 from dflashq.exceptions import ConfigError
+from torch.nn.attention.flex_attention import create_block_mask
+
 from trainer.anchors import gather_blocks, sample_anchors
+from trainer.attention_mask import dflash_mask_mod, flex_block_mask
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.target_head import TargetHead
 
@@ -290,10 +293,37 @@ def test_flex_equals_sdpa_when_the_blocks_do_not_fill_the_last_kernel_tile(devic
     torch.testing.assert_close(flex[valid.to(device)], sdpa[valid.to(device)], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("block_size, seq_len, num_blocks", [(16, 300, 37), (16, 512, 64), (12, 700, 50), (4, 150, 9)])
+@pytest.mark.parametrize("window", [None, 40, 300])
+def test_flex_block_mask_is_the_tile_map_create_block_mask_computes(block_size, seq_len, num_blocks, window):
+    """flex's BlockMask is built from the rule's two key intervals per query; eager flex (all CI can run) ignores
+    the tile map, so its tiles are compared here with torch's dense evaluation of the same mask_mod: the same
+    partial and full tiles in the same order, with short rows, padded blocks and lengths off the 128 tile."""
+    gen = torch.Generator().manual_seed(4)
+    loss_mask = torch.ones(3, seq_len, dtype=torch.long)
+    loss_mask[1, seq_len // 2:] = 0
+    loss_mask[2, 5:] = 0  # a row with fewer candidates than blocks: invalid anchors at 0 at its end
+    anchors, valid = sample_anchors(loss_mask, num_blocks, gen)
+    assert not valid.all()
+    mask_mod = dflash_mask_mod(anchors, block_size, seq_len, window)
+    q_len = anchors.shape[1] * block_size
+    ours = flex_block_mask(mask_mod, anchors, block_size, seq_len, window)
+    dense = create_block_mask(mask_mod, anchors.shape[0], None, q_len, seq_len + q_len, device="cpu")
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        torch.testing.assert_close(getattr(ours, name), getattr(dense, name), msg=name)
+    if window is None and seq_len > 256:
+        assert ours.full_kv_num_blocks.sum() > 0  # the comparison covers full tiles too
+    assert ours.shape == dense.shape
+
+
 def test_compiled_elementwise_regions_compute_what_the_eager_code_does():
-    """Training steps on the GPU run the norms, rotations and SwiGLU compiled (trainer.drafter._fused); CI has no
-    GPU, so the compiled functions are checked here on the CPU against the eager ones, gradients included."""
-    from trainer.drafter import _compiled, _rotate, rms_norm, swiglu
+    """Training steps on the GPU run the norms, rotations, SwiGLU and the loss's softmax gradient compiled
+    (trainer.fused); CI has no GPU, so the compiled functions are checked here on the CPU against the eager ones,
+    gradients included."""
+    from trainer.drafter import _rotate, rms_norm, swiglu
+    from trainer.fused import compiled
+    from trainer.loss import _chunk_terms
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 7, 16, generator=gen)
@@ -303,10 +333,16 @@ def test_compiled_elementwise_regions_compute_what_the_eager_code_does():
     for fn, args in cases:
         eager_in = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
         compiled_in = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
-        eager, compiled = fn(*eager_in), _compiled(fn)(*compiled_in)
-        torch.testing.assert_close(compiled, eager)
+        eager, fused = fn(*eager_in), compiled(fn)(*compiled_in)
+        torch.testing.assert_close(fused, eager)
         eager.square().sum().backward()
-        compiled.square().sum().backward()
+        fused.square().sum().backward()
         for e, c in zip(eager_in, compiled_in):
             if isinstance(e, torch.Tensor):
                 torch.testing.assert_close(c.grad, e.grad)
+    logits = torch.randn(6, 50, generator=gen).to(torch.bfloat16)  # [r, V] in the head's dtype
+    targets, scale = torch.randint(0, 50, (6,), generator=gen), torch.rand(6, generator=gen)  # [r] x2
+    for need_grad in (True, False):
+        for e, c in zip(_chunk_terms(logits, targets, scale, need_grad),
+                        compiled(_chunk_terms)(logits, targets, scale, need_grad)):
+            torch.testing.assert_close(c, e)

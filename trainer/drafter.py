@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflashq import defaults
 from dflashq.exceptions import ConfigError
 from dflashq.layer_ids import default_layer_ids
-from trainer.attention_mask import DenseGroup, dense_groups, dflash_mask_mod
+from trainer.attention_mask import DenseGroup, dense_groups, dflash_mask_mod, flex_block_mask
+from trainer.fused import fused
 from trainer.target_head import TargetHead
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -132,7 +133,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return _fused(rms_norm, x)(x, self.weight, self.eps)  # [..., size]
+        return fused(rms_norm, x, torch.is_grad_enabled())(x, self.weight, self.eps)  # [..., size]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -140,20 +141,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x32 = x.float()  # [..., size]
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., size]
     return weight * normed.to(x.dtype)  # [..., size]
-
-
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn)
-
-
-def _fused(fn, x: Tensor):
-    """`fn` itself, or compiled into one kernel for training steps on the GPU. Why: at small hidden sizes the fp32
-    norms, rotations and SwiGLU are several memory-bound kernels each, most of a step's time after attention
-    (SmolLM2 drafter shape on an H200, benchmarks/train.py: 140 -> 133 ms per varied 8,192-token step, 177 -> 162 ms
-    for 4 x 4,096 tokens, 31 s of compilation on a fresh cache). Inference keeps the eager code: `draft` sees a new
-    context length every call, and eval is short."""
-    return _compiled(fn) if x.is_cuda and torch.is_grad_enabled() else fn
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -167,7 +154,7 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [..., S, D] (half-split pairs i, i + D/2, the Transformers convention); cos/sin broadcast to it."""
-    return _fused(_rotate, x)(x, cos, sin)  # [..., S, D]
+    return fused(_rotate, x, torch.is_grad_enabled())(x, cos, sin)  # [..., S, D]
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -235,8 +222,9 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 @functools.cache
 def _flex(compiled: bool):
-    # Eager flex_attention materialises the whole score matrix; only the compiled kernel is fused (CUDA).
-    return torch.compile(flex_attention) if compiled else flex_attention
+    # Eager flex_attention materialises the whole score matrix; only the compiled kernel is fused (CUDA). Compiled
+    # for dynamic shapes at once: every micro-batch brings new lengths, and a compilation per shape cost minutes.
+    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
 
 
 class DrafterMLP(nn.Module):
@@ -248,7 +236,7 @@ class DrafterMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # [..., I] x2
-        return self.down_proj(_fused(swiglu, x)(gate, up))  # [..., H]
+        return self.down_proj(fused(swiglu, x, torch.is_grad_enabled())(gate, up))  # [..., H]
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -292,7 +280,7 @@ class DFlashDrafter(nn.Module):
         """
         cfg = self.config
         b, num_blocks, block_size = block_ids.shape
-        context_len, q_len = context_states.shape[1], num_blocks * block_size
+        context_len = context_states.shape[1]
         context = self.hidden_norm(self.fc(context_states.to(self.fc.weight.dtype)))  # [b, T, H]
         x = head.embed(block_ids).flatten(1, 2).to(context.dtype)  # [b, Q, H]
         offsets = torch.arange(block_size, device=anchors.device)  # [B]
@@ -308,8 +296,7 @@ class DFlashDrafter(nn.Module):
             window = cfg.sliding_window if layer_type == "sliding_attention" else None
             mask_mod = dflash_mask_mod(anchors, block_size, context_len, window)
             if use_flex:
-                masks[layer_type] = create_block_mask(mask_mod, b, None, q_len, context_len + q_len,
-                                                      device=x.device, _compile=x.is_cuda)
+                masks[layer_type] = flex_block_mask(mask_mod, anchors, block_size, context_len, window)
             else:
                 masks[layer_type] = dense_groups(mask_mod, anchors, block_size, context_len, defaults.SDPA_GROUP_BLOCKS)
         for layer, layer_type in zip(self.layers, cfg.layer_types):

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from dflashq import defaults
+from trainer.fused import fused
 
 
 def default_gamma(block_size: int) -> float:
@@ -62,6 +63,24 @@ def dflash_loss(
     return DFlashLoss(loss, acc, expected_acceptance_length(acc), correct, count)
 
 
+def _chunk_terms(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool):
+    """One chunk's scaled CE sum, top-1 hits and, if asked, d loss / d logits = (softmax - onehot) * scale in the
+    logits' dtype. logits [r, V] (the head's dtype), targets and scale [r]. Compiled on the GPU in training
+    (trainer.fused): one pass over the logits instead of a kernel per line."""
+    logits32 = logits.float()  # [r, V]
+    lse = logits32.logsumexp(-1)  # [r]
+    target_logit = logits32.gather(1, targets[:, None])[:, 0]  # [r]
+    loss = ((lse - target_logit) * scale).sum()  # []
+    correct = logits32.argmax(-1) == targets  # [r]
+    if not need_grad:
+        return loss, correct, None
+    # built in place in the fp32 buffer: eager code (the CPU) never holds a second [r, V] fp32 tensor
+    grad = logits32.sub_(lse[:, None]).exp_()  # [r, V]
+    grad[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
+    grad *= scale[:, None]
+    return loss, correct, grad.to(logits.dtype)  # [], [r], [r, V]
+
+
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """sum_r scale_r * CE(hidden_r @ lm_head.T, target_r) with the gradient w.r.t. hidden computed chunk by chunk
     during the forward: the head is frozen, so this costs two head matmuls (no recomputation in backward) and
@@ -73,24 +92,17 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             raise ValueError("the target LM head must be frozen (requires_grad=False): its gradient is not computed")
         need_grad = ctx.needs_input_grad[0]
         weight = lm_head.to(hidden.dtype)  # [V, H]
+        terms = fused(_chunk_terms, hidden, need_grad)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)  # []
         correct = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)  # [R]
         grad_hidden = torch.empty_like(hidden) if need_grad else None  # [R, H]
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            tgt = targets[rows]  # [r]
-            scale = row_scale[rows]  # [r]
-            logits = (hidden[rows] @ weight.T).float()  # [r, V]
-            lse = logits.logsumexp(-1)  # [r]
-            target_logit = logits.gather(1, tgt[:, None])[:, 0]  # [r]
-            loss += ((lse - target_logit) * scale).sum()
-            correct[rows] = logits.argmax(-1) == tgt
+            chunk_loss, correct[rows], grad_logits = terms(hidden[rows] @ weight.T, targets[rows], row_scale[rows],
+                                                           need_grad)  # [], [r], [r, V] or None
+            loss += chunk_loss
             if need_grad:
-                # d CE / d logits = softmax - onehot, built in place in the logits buffer.
-                grad_logits = logits.sub_(lse[:, None]).exp_()  # [r, V]
-                grad_logits[torch.arange(tgt.shape[0], device=tgt.device), tgt] -= 1.0
-                grad_logits *= scale[:, None]
-                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # [r, H]
+                grad_hidden[rows] = grad_logits @ weight  # [r, H]
         ctx.mark_non_differentiable(correct)
         ctx.save_for_backward(grad_hidden)
         return loss, correct
