@@ -13,6 +13,8 @@ Measured, on the same chunks, in one run:
   e2e      workers.extract.Extractor.run: capture + byte-shuffle + copy to pinned memory + zstd + fsynced write +
            announce on the results stream of a real Redis (private redis-server), until every blob is announced;
            also its steady state, from the first to the last announcement (a long-lived worker drains only once)
+  codecs   both blob codecs (bf16, fp8) on one core each over the verified samples' plain states: bytes per token,
+           encode / decode throughput, relative error (as benchmarks/codec.py on a real model's states)
   verify   `dflashq verify`'s comparison of --verify-samples stored samples with a plain, unbatched forward, and
            their error against the same forward in float32: the benchmark exits 1 if a stored layer is all-zero or
            non-finite, or is further from float32 than plain Transformers in the model's dtype (by over 10%, and
@@ -45,9 +47,10 @@ from dflashq.capture import HiddenStateCapture, decoder_layers  # noqa: E402
 from workers.capture import PAD_MULTIPLE, padded_batches  # noqa: E402
 from workers.extract import Extractor  # noqa: E402
 from workers.fused_kernels import fused_kernels  # noqa: E402
-from dflashq.blob import CODEC_RELATIVE_ERROR  # noqa: E402
+from dflashq.blob import CODEC_RELATIVE_ERROR, CODEC_VERSIONS  # noqa: E402
 from workers.verify import TOLERANCE, pick_stored, reference_hidden, verify_samples  # noqa: E402
 from dflashq.target import block_unusable_kernels  # noqa: E402
+from benchmarks.codec import measure as measure_codec  # noqa: E402
 
 QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                   num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_key_head_dim=128,
@@ -273,6 +276,11 @@ def main() -> None:
     reference = float32_reference(model, layer_ids, samples)
     stored_error = mean_relative_error(stored_states, reference)
     plain_error = mean_relative_error(plain_states, reference)
+    # Both codecs on one core each, on the plain forward's states of the verified samples: bytes per token and
+    # throughput at this model's shape (random weights: a trained model's states compress differently, which
+    # benchmarks/codec.py measures on a real one)
+    codec_states = torch.cat([s.cpu() for s in plain_states])  # [N, K, H]
+    codecs = {codec: measure_codec(codec_states, codec, args.level, repeats=2) for codec in CODEC_VERSIONS}
     # fp8 adds its rounding (at most 2^-4 of a token's max) to whatever error the kernels made
     accurate = all(s <= max(1.1 * p, TOLERANCE[dtype]) + CODEC_RELATIVE_ERROR[args.codec]
                    for s, p in zip(stored_error, plain_error))
@@ -309,6 +317,8 @@ def main() -> None:
         "bytes_per_token": round(stored / tokens),
         "compression_ratio": round(raw_bytes / stored, 3),
         "zstd_level": args.level, "writer_threads": args.writer_threads, "codec": args.codec,
+        "codecs_one_core": {"tokens": codec_states.shape[0], **codecs,
+                            "fp8_vs_bf16_bytes": round(codecs["fp8"]["bytes_per_token"] / codecs["bf16"]["bytes_per_token"], 3)},
         "fla": "fla" in sys.modules and sys.modules["fla"] is not None,
         "fused_kernels": dict(replaced),
         "verify_samples": len(samples), "verify_ok": verified,

@@ -35,6 +35,12 @@ def test_extract_benchmark_reports_every_phase_and_every_blob():
     # tiny model, float32 on the CPU: 3 tapped layers x hidden 64 x 4 bytes raw per token; shuffle + zstd saves some
     assert 0 < report["bytes_per_token"] < 3 * 64 * 4 and report["compression_ratio"] > 1
     assert "Self CPU" in log  # the --profile table
+    # both codecs on the same states, one core each: fp8 stores fewer bytes, with its rounding error, bf16 none
+    codecs = report["codecs_one_core"]
+    assert codecs["tokens"] > 0 and codecs["fp8_vs_bf16_bytes"] < 0.7
+    assert codecs["bf16"]["relative_error_per_layer"] == [0.0] * 3
+    assert all(0 < e < 2 ** -4 for e in codecs["fp8"]["relative_error_per_layer"])
+    assert min(codecs[c][k] for c in ("bf16", "fp8") for k in ("encode_mb_per_s_per_core", "decode_mb_per_s_per_core")) > 0
 
 
 def test_extract_benchmark_with_the_fp8_codec():
