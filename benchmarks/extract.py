@@ -60,6 +60,14 @@ TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_l
             linear_num_key_heads=2, linear_num_value_heads=4)
 
 
+def qwen35_text_config(shape: dict):
+    """A Qwen3.5/3.6 text model config of `shape`, every 4th layer full attention as in the released models."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape["num_hidden_layers"])]
+    return Qwen3_5TextConfig(**shape, layer_types=layer_types, max_position_embeddings=32768)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -182,11 +190,9 @@ def main() -> None:
     if device.type == "cpu":
         block_unusable_kernels()
     from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
     shape = TINY if args.tiny else QWEN36_27B
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape["num_hidden_layers"])]
-    config = Qwen3_5TextConfig(**shape, layer_types=layer_types, max_position_embeddings=32768)
+    config = qwen35_text_config(shape)
     layer_ids = [1, 16, 31, 46, 61] if not args.tiny else [1, 3, 5]
     tmp = Path(args.out or tempfile.mkdtemp(prefix="dflashq-bench-"))
     model_dir = tmp / "model"

@@ -16,7 +16,9 @@ workers start paused and are let go together once every one of them is up and ev
 
 Each phase is its own run (its own chunks) in the same Redis and store; the model is loaded by every worker process
 from --model (a Transformers folder), as a user's workers load it.
-Usage: python benchmarks/workers.py [--tiny] [--model DIR] [--data FILE] [--workers 2] [--chunks 8]
+--shape qwen3.6-27b writes a random-weight Qwen3.6-27B-shaped text model (54 GB of bf16 shards, the Qwen3 tokenizer)
+under --tmp first and measures with it: a restart then loads that size from disk.
+Usage: python benchmarks/workers.py [--tiny] [--model DIR | --shape qwen3.6-27b] [--data FILE] [--workers 2] [--chunks 8]
                                     [--phases one,n,restart]
 """
 
@@ -53,8 +55,25 @@ from producers.produce import produce  # noqa: E402
 from producers.records import data_fingerprint  # noqa: E402
 from producers.sample_data import write_sample_data  # noqa: E402
 from workers.worker import EXIT_RESTART, worker_name  # noqa: E402
+from benchmarks.extract import QWEN36_27B, qwen35_text_config  # noqa: E402
 
 PHASES = ("one", "n", "restart")
+
+
+def write_random_target(folder: Path, shape: dict, device: str) -> str:
+    """A random-weight Qwen3.5/3.6 text model of `shape` saved as a Transformers folder (bf16 safetensors shards) with
+    the Qwen3 tokenizer, so that workers load real weights from disk, as a user's do (the 27B shape: 54 GB). Built on
+    `device`; the tokenizer's ids fit any vocabulary of at least its 151,936 rows."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.tiny_model import copy_tokenizer_files
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen35_text_config(shape), dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="5GB")
+    copy_tokenizer_files(str(folder))
+    return str(folder)
 
 
 def seconds(moment: datetime.datetime) -> float:
@@ -184,7 +203,10 @@ class Bench:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model and CPU workers (checks the script)")
-    parser.add_argument("--model", default=None, help="the target's Transformers folder (required without --tiny)")
+    parser.add_argument("--model", default=None, help="the target's Transformers folder (or --shape, or --tiny)")
+    parser.add_argument("--shape", choices=["qwen3.6-27b"], default=None,
+                        help="instead of --model: a random-weight model of that shape written to --tmp with the Qwen3 tokenizer")
+    parser.add_argument("--tmp", default=None, help="folder for the model, Redis and the store [a new temporary folder]")
     parser.add_argument("--data", default=None, help="conversations JSONL [the built-in samples]")
     parser.add_argument("--conversations", type=int, default=2000, help="built-in sample conversations without --data")
     parser.add_argument("--workers", type=int, default=None, help="workers of phase n [every GPU; 2 on the CPU]")
@@ -198,15 +220,19 @@ def main() -> None:
     phases = [p for p in args.phases.split(",") if p]
     if unknown := set(phases) - set(PHASES):
         sys.exit(f"unknown phases {sorted(unknown)}; choose from {', '.join(PHASES)}")
-    tmp = Path(tempfile.mkdtemp(prefix="dflashq-workers-"))
-    if args.tiny:
+    tmp = Path(tempfile.mkdtemp(prefix="dflashq-workers-", dir=args.tmp))
+    if args.shape:
+        started = time.perf_counter()
+        args.model = write_random_target(tmp / "model", QWEN36_27B, "cuda" if torch.cuda.is_available() else "cpu")
+        print(f"{args.shape} written to {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    elif args.tiny:
         from workers.tiny_model import write_tiny_model
 
         args.model = write_tiny_model(str(tmp / "model"), "qwen3_5")
         args.chunk_tokens, args.max_length, args.chunks, args.restart_after = 512, 256, 2, 2
         args.conversations = 200
     elif not args.model:
-        sys.exit("pass --model DIR (a Transformers folder), or --tiny")
+        sys.exit("pass --model DIR (a Transformers folder), --shape qwen3.6-27b, or --tiny")
     if not args.data:
         args.data = str(write_sample_data(tmp / "data.jsonl", n=args.conversations))
     if args.workers is None:
@@ -216,7 +242,8 @@ def main() -> None:
         bench = Bench(args, server.ensure(), tmp / "store")
         bench.store.mkdir(parents=True, exist_ok=True)
         result = {"benchmark": "workers", "device": torch.cuda.get_device_name(0) if bench.device == "cuda" else
-                  f"cpu ({os.cpu_count()} cores)", "model": "tiny qwen3_5" if args.tiny else args.model}
+                  f"cpu ({os.cpu_count()} cores)", "model": "tiny qwen3_5" if args.tiny else
+                  f"{args.shape} (random weights)" if args.shape else args.model}
         for phase in phases:
             started = time.perf_counter()
             result[phase] = bench.restart() if phase == "restart" else bench.drain(phase, 1 if phase == "one" else args.workers)

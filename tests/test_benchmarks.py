@@ -176,3 +176,21 @@ def test_quality_benchmark_starts_from_an_earlier_runs_regenerated_records(tmp_p
     assert second["regenerate"]["regenerated"] == first["regenerate"]["regenerated"]
     assert second["regenerate"]["generated_tokens"] == 0
     assert (tmp_path / "b" / "regenerated.jsonl").read_bytes() == (tmp_path / "a" / "regenerated.jsonl").read_bytes()
+
+
+def test_random_target_of_a_shape_is_a_folder_the_workers_load(tmp_path):
+    """`benchmarks/workers.py --shape qwen3.6-27b` writes random weights of that shape (54 GB) as a Transformers folder
+    with the Qwen3 tokenizer, for a restart to load from disk; checked here at the tiny shape."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.extract import TINY
+    from benchmarks.workers import write_random_target
+    from dflashq.target import load_target
+
+    folder = write_random_target(tmp_path / "model", dict(TINY, vocab_size=151936), "cpu")
+    assert list((tmp_path / "model").glob("*.safetensors"))
+    model = load_target(folder)
+    assert model.config.num_hidden_layers == 8 and model.config.layer_types[3::4] == ["full_attention"] * 2
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, return_dict=True)["input_ids"]
+    assert 0 < max(ids) < model.config.vocab_size

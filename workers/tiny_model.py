@@ -40,6 +40,13 @@ def tokenizer_files_dir() -> str:
     return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
 
 
+def copy_tokenizer_files(out_dir: str) -> None:
+    """The Qwen3 tokenizer and its chat template into a model folder."""
+    source = tokenizer_files_dir()
+    for name in os.listdir(source):
+        shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+
+
 def _model(arch: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
@@ -75,9 +82,7 @@ def write_tiny_model(out_dir: str, arch: str = "qwen3_5", seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = _model(arch)
     model.save_pretrained(out_dir)
-    source = tokenizer_files_dir()
-    for name in os.listdir(source):
-        shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+    copy_tokenizer_files(out_dir)
     if arch == "llama":
         path = os.path.join(out_dir, "tokenizer_config.json")
         with open(path) as f:
