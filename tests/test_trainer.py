@@ -183,13 +183,24 @@ def test_slow_trainer_keeps_the_store_within_its_byte_budget(tmp_path, redis_url
     seen = {"used": 0, "disk": 0}
     stop = threading.Event()
 
+    def disk_bytes(blobs: Path) -> int:
+        total = 0
+        for blob_path in blobs.glob("*.dfq") if blobs.exists() else []:
+            try:
+                total += blob_path.stat().st_size
+            except FileNotFoundError:
+                pass  # trained and deleted between the listing and the stat
+        return total
+
     def watch():
         blobs = Path(run.store.path("blobs", "e0"))
-        while not stop.is_set():
-            seen["used"] = max(seen["used"], used_bytes(conn, run.keys))
-            disk = sum(p.stat().st_size for p in blobs.glob("*.dfq")) if blobs.exists() else 0
-            seen["disk"] = max(seen["disk"], disk)
-            time.sleep(0.01)
+        try:
+            while not stop.is_set():
+                seen["used"] = max(seen["used"], used_bytes(conn, run.keys))
+                seen["disk"] = max(seen["disk"], disk_bytes(blobs))
+                time.sleep(0.01)
+        except Exception as exc:  # a watcher that died would stop checking the budget without failing the test
+            seen["error"] = exc
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -218,6 +229,7 @@ def test_slow_trainer_keeps_the_store_within_its_byte_budget(tmp_path, redis_url
         for w in workers:
             w.wait(timeout=60)
     assert not result.stopped and result.consumed[0] == int(conn.get(run.keys.epoch_total(0)))
+    assert "error" not in seen, seen
     assert 0 < seen["disk"] <= budget and 0 < seen["used"] <= budget, (seen, budget)
 
 
