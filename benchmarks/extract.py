@@ -47,10 +47,10 @@ from dflashq.capture import HiddenStateCapture, decoder_layers  # noqa: E402
 from workers.capture import PAD_MULTIPLE, padded_batches  # noqa: E402
 from workers.extract import Extractor  # noqa: E402
 from workers.fused_kernels import fused_kernels  # noqa: E402
-from dflashq.blob import CODEC_RELATIVE_ERROR, CODEC_VERSIONS  # noqa: E402
+from dflashq.blob import CODEC_RELATIVE_ERROR  # noqa: E402
 from workers.verify import TOLERANCE, pick_stored, reference_hidden, verify_samples  # noqa: E402
 from dflashq.target import block_unusable_kernels  # noqa: E402
-from benchmarks.codec import measure as measure_codec  # noqa: E402
+from benchmarks.codec import both_codecs  # noqa: E402
 
 QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                   num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_key_head_dim=128,
@@ -286,7 +286,7 @@ def main() -> None:
     # throughput at this model's shape (random weights: a trained model's states compress differently, which
     # benchmarks/codec.py measures on a real one)
     codec_states = torch.cat([s.cpu() for s in plain_states])  # [N, K, H]
-    codecs = {codec: measure_codec(codec_states, codec, args.level, repeats=2) for codec in CODEC_VERSIONS}
+    codecs = both_codecs(codec_states, args.level, repeats=2)
     # fp8 adds its rounding (at most 2^-4 of a token's max) to whatever error the kernels made
     accurate = all(s <= max(1.1 * p, TOLERANCE[dtype]) + CODEC_RELATIVE_ERROR[args.codec]
                    for s, p in zip(stored_error, plain_error))
@@ -323,8 +323,7 @@ def main() -> None:
         "bytes_per_token": round(stored / tokens),
         "compression_ratio": round(raw_bytes / stored, 3),
         "zstd_level": args.level, "writer_threads": args.writer_threads, "codec": args.codec,
-        "codecs_one_core": {"tokens": codec_states.shape[0], **codecs,
-                            "fp8_vs_bf16_bytes": round(codecs["fp8"]["bytes_per_token"] / codecs["bf16"]["bytes_per_token"], 3)},
+        "codecs_one_core": {"tokens": codec_states.shape[0], **codecs},
         "fla": "fla" in sys.modules and sys.modules["fla"] is not None,
         "fused_kernels": dict(replaced),
         "verify_samples": len(samples), "verify_ok": verified,
