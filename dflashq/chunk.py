@@ -97,24 +97,35 @@ def _windows(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
         yield window
 
 
-def padding_fraction(groups: Iterable[list[Sample]], batch_tokens: int, pad_multiple: int = 1) -> float:
+def padding_fraction(groups: Iterable[list[Sample]], batch_tokens: int, pad_multiple: int = 1,
+                     power_of_two_rows: bool = False) -> float:
     """Share of the computed (padded) tokens that are padding, for chunks batched as the workers batch them."""
     real = padded = 0
     for group in groups:
         lengths = [len(s) for s in group]
-        for batch in micro_batches(lengths, batch_tokens):
+        for batch in micro_batches(lengths, batch_tokens, power_of_two_rows):
             padded += len(batch) * -(-lengths[batch[0]] // pad_multiple) * pad_multiple
             real += sum(lengths[i] for i in batch)
     return 1 - real / padded if padded else 0.0
 
 
-def micro_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Sample indices, longest first, grouped so that rows x longest row <= batch_tokens (longer: a batch alone)."""
+def micro_batches(lengths: list[int], batch_tokens: int, power_of_two_rows: bool = False) -> list[list[int]]:
+    """Sample indices, longest first, grouped so that rows x longest row <= batch_tokens (longer: a batch alone).
+
+    `power_of_two_rows`: every batch has 1, 2, 4, ... rows (the most that fit, a chunk's tail split the binary way),
+    so batch shapes repeat across chunks: fla's kernels autotune per row count, and a handful of row counts is tuned
+    once per host (and persisted, dflashq.compile_cache) instead of again inside every chunk with a new count. It
+    adds no padding rows: each smaller batch is padded to its own longest sample.
+    """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    start = 0
+    while start < len(order):
+        rows = 1
+        while start + rows < len(order) and (rows + 1) * lengths[order[start]] <= batch_tokens:
+            rows += 1
+        if power_of_two_rows:
+            rows = 1 << (rows.bit_length() - 1)  # the largest power of two <= rows
+        batches.append(order[start:start + rows])
+        start += rows
     return batches

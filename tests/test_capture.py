@@ -15,7 +15,7 @@ from dflashq.chunk import Sample
 from dflashq.exceptions import ConfigError, InputError
 from dflashq.chunk import micro_batches
 from dflashq.capture import HiddenStateCapture, decoder_layers
-from workers.capture import extract_samples
+from workers.capture import extract_samples, warm_up, warmup_shapes
 from dflashq.target import load_target
 from workers.tiny_model import ARCHS, VOCAB_SIZE, write_tiny_model
 from workers.verify import verify_samples
@@ -199,3 +199,38 @@ def test_verify_tolerates_bf16_batching_noise(model_dirs):
     samples = _samples([5, 63, 130])
     reports, ok = verify_samples(model, layer_ids, samples, _stored(model, layer_ids, samples))
     assert ok, [(r.layer_id, r.max_rel_diff) for r in reports]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+def test_warm_up_runs_every_shape_through_the_first_layer_of_each_kind(models, arch):
+    """Every power-of-two row count and a token total in every 512-token step, through layers 0..3 of the hybrid
+    model (3 linear-attention layers, then the first full-attention one) or layer 0 of Llama; no hook left behind."""
+    model = models[arch]
+    layers = decoder_layers(model)
+    hooks_before = [dict(layer._forward_hooks) for layer in layers]
+    shapes: list[tuple[int, ...]] = []
+    ran: list[int] = []
+    handles = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    handles.append(model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                                   with_kwargs=True))
+    try:
+        assert warm_up(model, 2048) == len(warmup_shapes(2048)) == len(shapes)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert shapes == [(1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (32, 64), (1, 512), (1, 1024), (1, 1536), (1, 2048)]
+    deepest = 3 if arch == "qwen3_5" else 0
+    assert ran == list(range(deepest + 1)) * len(shapes)
+    assert [dict(layer._forward_hooks) for layer in layers] == hooks_before
+
+
+def test_fused_kernels_leave_the_per_head_norms_to_transformers(models):
+    """fla's norm would autotune for nearly every batch size on the q/k norms (tokens x heads rows)."""
+    from workers.fused_kernels import ZERO_CENTRED_NORMS, _replaceable
+
+    model = models["qwen3_5"]
+    hidden = model.config.get_text_config().hidden_size
+    norms = {name for name, m in model.named_modules() if type(m).__name__ in ZERO_CENTRED_NORMS}
+    replaced = {name for name, m in model.named_modules() if type(m).__name__ in ZERO_CENTRED_NORMS and _replaceable(m, hidden)}
+    assert {n for n in norms if n.endswith(("q_norm", "k_norm"))} == norms - replaced != set()
+    assert {"model.norm", "model.layers.0.input_layernorm", "model.layers.3.post_attention_layernorm"} <= replaced

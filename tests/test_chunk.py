@@ -37,3 +37,17 @@ def test_chunk_json_round_trip_and_micro_batches():
     assert [s.index for s in back.samples] == [0, 1, 2]
     batches = micro_batches([10, 30, 20], 60)
     assert batches == [[1, 2], [0]]  # longest first; 2 rows x 30 <= 60
+
+
+def test_power_of_two_rows_repeat_shapes_without_adding_padding():
+    lengths = [len(s) for s in samples(n=300)]
+    plain = micro_batches(lengths, 16384)
+    bucketed = micro_batches(lengths, 16384, power_of_two_rows=True)
+    assert sorted(i for b in bucketed for i in b) == list(range(300))  # every sample exactly once
+    assert all(len(b) & (len(b) - 1) == 0 for b in bucketed)  # 1, 2, 4, ... rows
+    assert all(len(b) * lengths[b[0]] <= 16384 for b in bucketed)
+    assert any(len(b) & (len(b) - 1) for b in plain)  # without buckets, row counts are whatever fits
+    assert micro_batches([10] * 13, 1000, power_of_two_rows=True) == [list(range(8)), list(range(8, 12)), [12]]
+    # smaller batches are each padded to their own longest sample: no more padding than the greedy batching
+    chunks = list(pack(samples(), 16384, 256))
+    assert padding_fraction(chunks, 16384, 64, power_of_two_rows=True) <= padding_fraction(chunks, 16384, 64)

@@ -21,11 +21,11 @@ from rq.serializers import JSONSerializer
 
 from dflashq.blob import encode_blob, quantize_fp8, shuffle_bytes, stored_bytes_per_token
 from dflashq.budget import RELEASE_LUA, release, reserve
-from dflashq.chunk import Chunk, micro_batches
+from dflashq.chunk import Chunk
 from dflashq.exceptions import JobRefused
 from dflashq.run import Run
 from dflashq.capture import HiddenStateCapture
-from workers.capture import extract_samples
+from workers.capture import extract_samples, extraction_batches, warm_up
 from workers.fused_kernels import fused_kernels
 from workers.recovery import requeue_front, unannounced_key
 from dflashq.target import load_target
@@ -69,8 +69,12 @@ class Extractor:
         self._kernels = contextlib.ExitStack()
         if settings.workers.fused_kernels:
             self._kernels.enter_context(fused_kernels(self.model))
-        self.capture = HiddenStateCapture(self.model, run.layer_ids)
         self.batch_tokens = settings.workers.batch_tokens
+        if self.device.type == "cuda":
+            started = time.perf_counter()
+            shapes = warm_up(self.model, self.batch_tokens)
+            log.info("%s: %d batch shapes warmed up in %.1f s", worker_name, shapes, time.perf_counter() - started)
+        self.capture = HiddenStateCapture(self.model, run.layer_ids)
         self.max_splits = settings.workers.max_splits
         self.level = settings.workers.compress_level
         self.codec = settings.store.codec
@@ -107,7 +111,7 @@ class Extractor:
                 return extract_samples(self.model, self.capture, chunk.samples, budget)
             except torch.OutOfMemoryError:
                 # halve the largest padded batch actually tried, not the nominal budget
-                largest = max(len(b) * lengths[b[0]] for b in micro_batches(lengths, budget))
+                largest = max(len(b) * lengths[b[0]] for b in extraction_batches(lengths, budget))
                 if attempt == self.max_splits or largest <= max(lengths):
                     raise
                 budget = largest // 2

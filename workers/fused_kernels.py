@@ -62,13 +62,16 @@ def _replacements() -> tuple[dict[str, types.FunctionType], types.FunctionType]:
     return forwards, short_convolution
 
 
-def _replaceable(module: torch.nn.Module) -> bool:
+def _replaceable(module: torch.nn.Module, hidden_size: int) -> bool:
     name = type(module).__name__
     if name in GATED_NORMS:
         return getattr(module, "activation", None) == "silu"
     if name in SWIGLU_MLPS:
         return module.config.hidden_act in ("silu", "swish")
-    return name in ZERO_CENTRED_NORMS
+    # Only the norms over the hidden size. fla's norm autotunes per number of 2048-row blocks; the attention's per-head
+    # q/k norms have tokens x heads rows, so nearly every new batch size is a new key (measured on the 27B shape: 52
+    # autotunings of 7-9 s each inside a worker's first chunks). Left to Transformers they cost little.
+    return name in ZERO_CENTRED_NORMS and module.weight.numel() == hidden_size
 
 
 @contextlib.contextmanager
@@ -87,7 +90,8 @@ def fused_kernels(model: torch.nn.Module) -> Iterator[Counter]:
     from transformers.utils import is_causal_conv1d_available
 
     forwards, short_convolution = _replacements()
-    modules = [m for m in model.modules() if type(m).__name__ in forwards and _replaceable(m)]
+    hidden_size = model.config.get_text_config().hidden_size
+    modules = [m for m in model.modules() if type(m).__name__ in forwards and _replaceable(m, hidden_size)]
     for module in modules:
         module.forward = types.MethodType(forwards[type(module).__name__], module)
         replaced[type(module).__name__] += 1
