@@ -9,6 +9,8 @@ Measured, on the same chunks, in one run:
   matmul   bf16 8192^3 matrix products: the ceiling MFU is computed against
   plain    Transformers as shipped: the decoder forward of all layers with an attention mask (no hooks, no logits)
   bare     the same forward as the worker runs it: fla's fused kernels (workers/fused_kernels.py), no mask
+  any rows the bare forward with samples batched greedily, any row count, instead of the worker's power-of-two row
+           buckets (what the bucketing costs or saves; padding_fraction_any_row_count beside padding_fraction)
   capture  the worker's hook capture that stops after the deepest tapped layer (no copy, no write)
   e2e      workers.extract.Extractor.run: capture + byte-shuffle + copy to pinned memory + zstd + fsynced write +
            announce on the results stream of a real Redis (private redis-server), until every blob is announced;
@@ -40,11 +42,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dflashq import settings as settings_module  # noqa: E402
-from dflashq.chunk import Chunk, Sample, pack, padding_fraction  # noqa: E402
+from dflashq.chunk import Chunk, Sample, micro_batches, pack, padding_fraction  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
 from dflashq.capture import HiddenStateCapture, decoder_layers  # noqa: E402
-from workers.capture import PAD_MULTIPLE, padded_batches  # noqa: E402
+from workers.capture import PAD_MULTIPLE, extraction_batches, padded_batches  # noqa: E402
 from workers.extract import Extractor  # noqa: E402
 from workers.fused_kernels import fused_kernels  # noqa: E402
 from dflashq.blob import CODEC_RELATIVE_ERROR  # noqa: E402
@@ -208,19 +210,20 @@ def main() -> None:
     chunks = make_chunks(args.chunks, args.chunk_tokens, args.min_len if not args.tiny else 16,
                          args.max_len if not args.tiny else 128, shape["vocab_size"], args.sort_window)
     tokens = sum(c.tokens for c in chunks)
-    padding = padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE)
+    padding = padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE, power_of_two_rows=True)
+    padding_any_rows = padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE)
     print(f"{len(chunks)} chunks, {tokens:,} tokens, {padding:.1%} padding; matmul {ceiling:.0f} TFLOP/s", file=sys.stderr, flush=True)
 
-    def batches(chunk, masked):
-        for batch, ids in padded_batches(chunk.samples, args.batch_tokens):  # the worker's batches
+    def batches(chunk, masked, batching=extraction_batches):
+        for batch, ids in padded_batches(chunk.samples, args.batch_tokens, batching):  # the worker's batches by default
             lengths = torch.tensor([len(chunk.samples[i]) for i in batch])
             mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()  # [B, W], 1 on real tokens
             yield ids.to(device), mask.to(device) if masked else None
 
     @torch.inference_mode()
-    def forward(selected=chunks, masked=False):
+    def forward(selected=chunks, masked=False, batching=extraction_batches):
         for chunk in selected:
-            for ids, mask in batches(chunk, masked):
+            for ids, mask in batches(chunk, masked, batching):
                 model.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
     def capture_only():
@@ -236,6 +239,12 @@ def main() -> None:
     with fused_kernels(model) as replaced:
         timed(device, forward, "warm-up (fused kernels)", tokens)
         bare_s = timed(device, forward, "bare", tokens)
+
+        def any_rows():
+            forward(batching=micro_batches)
+
+        timed(device, any_rows, "warm-up (any row count)", tokens)
+        any_rows_s = timed(device, any_rows, "bare, any row count", tokens)
         if args.profile:
             print_profile(device, lambda: forward(chunks[:1]))
         capture = HiddenStateCapture(model, layer_ids)  # hooks on: from here on the forward stops after the deepest layer
@@ -311,6 +320,9 @@ def main() -> None:
         "plain_tokens_per_s": round(tokens / plain_s),
         "bare_tokens_per_s": round(tokens / bare_s),
         "bare_vs_plain": round(plain_s / bare_s, 3),
+        "bare_any_row_count_tokens_per_s": round(tokens / any_rows_s),
+        "row_buckets_vs_any_row_count": round(any_rows_s / bare_s, 3),
+        "padding_fraction_any_row_count": round(padding_any_rows, 3),
         "capture_tokens_per_s": round(tokens / capture_s),
         "e2e_tokens_per_s": round(tokens / e2e_s),
         "e2e_vs_bare": round(bare_s / e2e_s, 3),

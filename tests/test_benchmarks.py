@@ -24,14 +24,15 @@ def bench(script, *args):
 def test_extract_benchmark_reports_every_phase_and_every_blob():
     report, log = bench("extract.py", "--tiny", "--chunks", "2", "--profile")
     assert report["chunks"] == 2 and report["announced_blobs"] == 2
-    for phase in ("warm-up", "plain", "bare", "capture", "e2e", "e2e steady state", "verify"):
+    for phase in ("warm-up", "plain", "bare", "bare, any row count", "capture", "e2e", "e2e steady state", "verify"):
         assert f"\n{phase}: " in "\n" + log
     assert report["plain_tokens_per_s"] > 0 and report["bare_tokens_per_s"] > 0 and report["e2e_tokens_per_s"] > 0
     # the unmasked worker forward's blobs agree with plain, unbatched Transformers (fp32: to 1e-4 of each layer's max)
     assert report["verify_ok"] and report["verify_samples"] == 4 and max(report["verify_max_rel_diff"].values()) < 1e-4
     assert max(report["float32_error_stored"].values()) < 1e-4 and report["e2e_steady_tokens_per_s"] > 0
     assert report["fused_kernels"] == {}  # fla's kernels are GPU only
-    assert 0 < report["padding_fraction"] < 1
+    assert 0 < report["padding_fraction"] <= report["padding_fraction_any_row_count"] < 1  # row buckets add none
+    assert report["bare_any_row_count_tokens_per_s"] > 0 and report["row_buckets_vs_any_row_count"] > 0
     # tiny model, float32 on the CPU: 3 tapped layers x hidden 64 x 4 bytes raw per token; shuffle + zstd saves some
     assert 0 < report["bytes_per_token"] < 3 * 64 * 4 and report["compression_ratio"] > 1
     assert "Self CPU" in log  # the --profile table
@@ -77,6 +78,15 @@ def test_produce_benchmark_admits_every_conversation():
     report, _ = bench("produce.py", "--conversations", "200", "--processes", "1")
     assert report["conversations"] == 200 and report["chunks"] > 0
     assert report["tokens_per_second"] > 0 and 500 < report["tokens_per_conversation"] < 2000
+
+
+def test_worker_shape_buckets_cost_at_most_two_percent_in_padding_on_real_conversations():
+    """Issue 13: the power-of-two row buckets that let kernels autotune once per host, on ShareGPT prompts with a
+    target's own answers (the quality benchmark's data), as the producer packs them."""
+    report, _ = bench("produce.py", "--data", "benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz",
+                      "--processes", "1")
+    assert report["conversations"] > 2900 and report["chunks"] > 100
+    assert 0 < report["padding_fraction"] < 0.5 and report["bucketing_throughput_cost"] <= 0.02
 
 
 def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
@@ -144,6 +154,9 @@ def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
     assert restart["chunks_before"] >= 2 and restart["chunks_after"] >= 1
     assert 0 < restart["restart_gap_seconds"] < 120 and 0 < restart["first_start_seconds"] < 120
     assert restart["first_chunk_after_restart_tokens_per_s"] > 0 and restart["steady_chunk_tokens_per_s"] > 0
+    assert len(restart["chunk_seconds"]) == len(restart["chunk_tokens"]) == restart["chunks_before"] + restart["chunks_after"]
+    # Triton's autotuning counted per process from its log (none on the CPU, where no Triton kernel runs)
+    assert restart["autotuning_first_process"] == restart["autotuning_after_restart"] == {"runs": 0, "seconds": 0}
 
 
 def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():
