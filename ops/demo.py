@@ -107,7 +107,7 @@ def _run(settings, root: Path, workers: int) -> dict:
         export_checkpoint(latest, exported)
     console.print(f"3/4 export: {exported}")
     prompts = [conv["messages"][0]["content"] for conv in sample_conversations(4, seed=99)]
-    report = evaluate_prompts(settings.model.path, exported, prompts, max_new_tokens=RESPONSE_TOKENS)
+    report = evaluate_prompts(settings.model.path, exported, prompts, max_new_tokens=RESPONSE_TOKENS, progress=True)
     summary = supervisor.summary(str(exported))
     console.print(status.render(status.collect(run), settings.redis.url))
     console.print(f"4/4 eval: speculative decoding on {len(prompts)} held-out prompts: mean tau {report['mean_tau']:.2f} "

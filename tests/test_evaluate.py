@@ -118,6 +118,23 @@ def test_evaluate_prompts_reports_tau_and_lossless(qwen35, tiny_qwen35, tmp_path
     assert [e["text"] for e in partial["prompts"]] == [e["text"] for e in report["prompts"]]
 
 
+def test_eval_command_shows_progress_then_the_table(tiny_qwen35, tmp_path):
+    from click.testing import CliRunner
+
+    from ops.cli import main
+
+    exported = export_drafter(make_drafter(tiny_qwen35, block_size=4), tmp_path / "drafter")
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hello", "Hi", "Count to 3")))
+    args = ["eval", "--drafter", str(exported), "--model", tiny_qwen35, "--data", str(prompts_file), "--max-new-tokens", "4"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "3/3 prompts" in result.stderr and "mean tau" in result.stderr  # the bar, on stderr
+    assert "speculative decoding: mean tau" in result.stdout and "3/3" not in result.stdout
+    quiet = CliRunner().invoke(main, args + ["--no-progress", "--json"])
+    assert quiet.exit_code == 0 and "prompts" not in quiet.stderr and len(json.loads(quiet.stdout)["prompts"]) == 3
+
+
 def test_an_output_that_leaves_greedy_decoding_reports_where_and_by_what_margin(tiny_qwen35, tmp_path, monkeypatch):
     """A speculative output that differs from plain greedy decoding is not lossless; at the first difference the
     report gives the target's logit gap between greedy's pick and the speculative one (near zero: a rounding tie)."""

@@ -225,13 +225,23 @@ class PromptEvaluator:
 
 
 def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[str | list[dict]],
-                     max_new_tokens: int, device: str | torch.device = "cpu", lossless_prompts: int | None = None
-                     ) -> dict:
+                     max_new_tokens: int, device: str | torch.device = "cpu", lossless_prompts: int | None = None,
+                     progress: bool = False) -> dict:
     """Every prompt through a PromptEvaluator: tau per prompt, mean tau, and whether the output equals plain greedy
-    decoding; `lossless_prompts` checks only the first N prompts (the others report lossless None), None all."""
+    decoding; `lossless_prompts` checks only the first N prompts (the others report lossless None), None all.
+    `progress`: a bar on stderr with the prompts done and the mean tau so far."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     evaluator = PromptEvaluator(target_path, drafter_dir, device)
-    results = [evaluator.evaluate(prompt, max_new_tokens, lossless_prompts is None or index < lossless_prompts)
-               for index, prompt in enumerate(prompts)]
+    results = []
+    columns = (TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"), TimeElapsedColumn(),
+               TextColumn("{task.fields[tau]}"))
+    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
+        task = bar.add_task("eval", total=len(prompts), tau="")
+        for index, prompt in enumerate(prompts):
+            results.append(evaluator.evaluate(prompt, max_new_tokens, lossless_prompts is None or index < lossless_prompts))
+            bar.update(task, advance=1, tau=f"mean tau {sum(r['tau'] for r in results) / len(results):.3f}")
     return {
         "target": str(target_path),
         "drafter": str(drafter_dir),

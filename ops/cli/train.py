@@ -93,8 +93,9 @@ def export(checkpoint, out):
 @click.option("--check-lossless", "lossless_prompts", type=int, default=None,
               help="Compare only the first N prompts with plain greedy decoding (it costs a forward per token). [all]")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs, CI).")
 def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_anchors, device, lossless_prompts,
-             as_json):
+             as_json, no_progress):
     """Measure a drafter: real greedy speculative decoding on prompts (tau, lossless check), or EAL on blobs."""
     from dflashq.blob import decode_blob
     from dflashq.exceptions import InputError
@@ -106,7 +107,7 @@ def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_
         raise click.UsageError("Give either --data PROMPTS.jsonl or --blobs PATH...")
     if prompts_file:
         report = evaluate_prompts(target, drafter_dir, read_prompts(prompts_file), max_new_tokens, device,
-                                  lossless_prompts)
+                                  lossless_prompts, progress=not no_progress)
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:
