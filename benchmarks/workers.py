@@ -116,7 +116,8 @@ class Bench:
         where = ["--device", "cpu", "--index", str(index)] if self.device == "cpu" else ["--gpu", str(index)]
         argv = [sys.executable, "-m", "ops.cli", "worker", *settings_args(run.settings), *where]
         # Triton then logs every autotuning it runs (not those answered from the persisted cache): counted per process
-        env = {**child_environment(os.environ), "TRITON_PRINT_AUTOTUNING": "1"}
+        # (unbuffered: its lines and the worker's log lines interleave in the order they happened)
+        env = {**child_environment(os.environ), "TRITON_PRINT_AUTOTUNING": "1", "PYTHONUNBUFFERED": "1"}
         path = self.store / f"{run.settings.run}-worker{index}-{time.time_ns()}.log"
         with open(path, "w") as log:
             proc = subprocess.Popen(argv + (["--burst"] if burst else []), cwd=ROOT, stdout=log,
@@ -201,10 +202,14 @@ class Bench:
             return job["tokens"] / max(job["ended"] - job["started"], 1e-9)
 
         def autotunings(proc) -> dict:
-            """Triton's autotuning runs in a worker's log (each line names the kernel and the seconds it took)."""
+            """Triton's autotuning runs in a worker's log (each names the kernel and the seconds it took): all of
+            them, and those after the worker's warm-up (GPU only), i.e. inside jobs."""
             text = proc.log_path.read_text(errors="replace")
+            warmed = re.search(r"batch shapes warmed up in ([0-9.]+) s", text)
             took = [float(m) for m in re.findall(r"finished after ([0-9.]+)\s*s", text)]
-            return {"runs": text.count("Triton autotuning for function"), "seconds": round(sum(took), 2)}
+            return {"runs": text.count("Triton autotuning for function"), "seconds": round(sum(took), 2),
+                    "runs_in_jobs": text[warmed.end() if warmed else 0:].count("Triton autotuning for function"),
+                    "warm_up_seconds": float(warmed.group(1)) if warmed else None}
 
         # each process's first chunk may carry warm-up: the steady state is every other chunk, before and after
         steady = statistics.median(rate(j) for j in before[1:] + after[1:] or before)

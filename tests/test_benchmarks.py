@@ -156,7 +156,8 @@ def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
     assert restart["first_chunk_after_restart_tokens_per_s"] > 0 and restart["steady_chunk_tokens_per_s"] > 0
     assert len(restart["chunk_seconds"]) == len(restart["chunk_tokens"]) == restart["chunks_before"] + restart["chunks_after"]
     # Triton's autotuning counted per process from its log (none on the CPU, where no Triton kernel runs)
-    assert restart["autotuning_first_process"] == restart["autotuning_after_restart"] == {"runs": 0, "seconds": 0}
+    assert restart["autotuning_first_process"] == restart["autotuning_after_restart"] == \
+        {"runs": 0, "seconds": 0, "runs_in_jobs": 0, "warm_up_seconds": None}
 
 
 def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():
