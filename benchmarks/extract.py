@@ -210,8 +210,9 @@ def main() -> None:
     chunks = make_chunks(args.chunks, args.chunk_tokens, args.min_len if not args.tiny else 16,
                          args.max_len if not args.tiny else 128, shape["vocab_size"], args.sort_window)
     tokens = sum(c.tokens for c in chunks)
-    padding = padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE, power_of_two_rows=True)
-    padding_any_rows = padding_fraction([c.samples for c in chunks], args.batch_tokens, PAD_MULTIPLE)
+    groups = [c.samples for c in chunks]
+    padding = padding_fraction(groups, args.batch_tokens, PAD_MULTIPLE, power_of_two_rows=True)
+    padding_any_rows = padding_fraction(groups, args.batch_tokens, PAD_MULTIPLE)
     print(f"{len(chunks)} chunks, {tokens:,} tokens, {padding:.1%} padding; matmul {ceiling:.0f} TFLOP/s", file=sys.stderr, flush=True)
 
     def batches(chunk, masked, batching=extraction_batches):

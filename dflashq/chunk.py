@@ -99,7 +99,8 @@ def _windows(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
 
 def padding_fraction(groups: Iterable[list[Sample]], batch_tokens: int, pad_multiple: int = 1,
                      power_of_two_rows: bool = False) -> float:
-    """Share of the computed (padded) tokens that are padding, for chunks batched as the workers batch them."""
+    """Share of the computed (padded) tokens that are padding, for chunks batched by `micro_batches` (the workers
+    batch with power_of_two_rows and pad_multiple 64: workers/capture.py)."""
     real = padded = 0
     for group in groups:
         lengths = [len(s) for s in group]
@@ -121,9 +122,8 @@ def micro_batches(lengths: list[int], batch_tokens: int, power_of_two_rows: bool
     batches: list[list[int]] = []
     start = 0
     while start < len(order):
-        rows = 1
-        while start + rows < len(order) and (rows + 1) * lengths[order[start]] <= batch_tokens:
-            rows += 1
+        longest = lengths[order[start]]
+        rows = max(1, min(len(order) - start, batch_tokens // longest if longest else len(order)))
         if power_of_two_rows:
             rows = 1 << (rows.bit_length() - 1)  # the largest power of two <= rows
         batches.append(order[start:start + rows])
