@@ -54,6 +54,12 @@ class Keys:
         return f"{self.prefix}epoch_total:{epoch}"
 
     @property
+    def epoch_estimate(self) -> str:
+        """The producer's running estimate of epoch 0's chunks while it reads an input whose record count is known:
+        the trainer's learning-rate horizon until epoch_total is set."""
+        return self.prefix + "epoch_estimate"
+
+    @property
     def finished(self) -> str:
         """Set of chunk ids whose blob has been written and announced (a set: a re-run chunk counts once)."""
         return self.prefix + "finished"

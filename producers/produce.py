@@ -115,13 +115,17 @@ def produce(run: Run, epochs: int | None = None, progress: bool = True) -> Produ
         settings.backpressure.poll_seconds,
     )
     fingerprint = run.manifest["data_fingerprint"]
-    total_records = sum(count_records(p) or 0 for p in settings.data.paths) or None
+    counts = [count_records(p) for p in settings.data.paths]
+    total_records = sum(c or 0 for c in counts) or None
+    # the trainer's schedule needs epoch 0's size long before the producer has read it all (backpressure holds it back)
+    countable = None if None in counts else total_records
     report = ProduceReport()
     start = time.monotonic()
     with _progress(progress) as bar:
         for epoch in range(epochs):
             task = bar.add_task(f"epoch {epoch}", total=total_records, status="")
-            _produce_epoch(run, admission, fingerprint, epoch, report, bar, task, first_epoch=epoch == 0)
+            _produce_epoch(run, admission, fingerprint, epoch, report, bar, task, first_epoch=epoch == 0,
+                           total_records=countable)
             if run.conn.exists(run.keys.draining):
                 break
     report.seconds = time.monotonic() - start
@@ -129,7 +133,16 @@ def produce(run: Run, epochs: int | None = None, progress: bool = True) -> Produ
     return report
 
 
-def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int, report: ProduceReport, bar, task, first_epoch: bool) -> None:
+def estimate_chunks(chunks: int, packed_tokens: int, read_tokens: int, records: int, total_records: int) -> int:
+    """Epoch 0's chunks, estimated while the producer reads it: the `chunks` so far, holding `packed_tokens`, scaled
+    by the tokens the whole input should give (`read_tokens` kept from the first `records` of `total_records`).
+    Tokens, not samples: within a sort window the chunks hold first many short samples, then few long ones."""
+    expected = total_records * read_tokens / max(1, records)
+    return max(chunks, round(chunks * expected / max(1, packed_tokens)))
+
+
+def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int, report: ProduceReport, bar, task,
+                   first_epoch: bool, total_records: int | None) -> None:
     settings = run.settings
     rejects_file = None
     if first_epoch and not run.store.remote:
@@ -137,7 +150,10 @@ def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int,
         os.makedirs(os.path.dirname(rejects_path), exist_ok=True)
         rejects_file = open(rejects_path, "w", encoding="utf-8")
 
+    read_tokens = 0  # of the samples kept so far, those still in the sort window too
+
     def samples() -> Iterator[Sample]:
+        nonlocal read_tokens
         for index, source, result in _tokenized(settings):
             bar.advance(task)
             if not first_epoch:  # later epochs re-admit the same samples; count them once
@@ -157,9 +173,10 @@ def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int,
                 report.dropped_few_supervised += 1
             else:
                 report.kept += 1
+                read_tokens += len(result.input_ids)
                 yield Sample(result.input_ids, result.loss_mask, index)
 
-    chunks = 0
+    chunks = packed_tokens = 0
     try:
         for group in pack(samples(), settings.data.chunk_tokens, settings.data.sort_window):
             if run.conn.exists(run.keys.draining):
@@ -167,8 +184,12 @@ def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int,
                 return
             chunk = Chunk(chunk_id(settings.run, fingerprint, epoch, group[0].index, group[-1].index), epoch, group)
             chunks += 1
+            packed_tokens += chunk.tokens
             report.chunks += 1
             report.tokens += chunk.tokens
+            if first_epoch and total_records:
+                run.conn.set(run.keys.epoch_estimate,
+                             estimate_chunks(chunks, packed_tokens, read_tokens, report.records, total_records))
             _admit(admission, chunk, report, bar, task)
         run.conn.set(run.keys.epoch_total(epoch), chunks)
     finally:

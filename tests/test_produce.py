@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import redis
 
+import numpy as np
+
 from dflashq import settings as S
+from dflashq.chunk import Sample, pack
 from dflashq.keys import Keys
 from dflashq.run import Run
 from producers.admission import run_queue
-from producers.produce import produce
+from producers.produce import estimate_chunks, produce
 from producers.records import data_fingerprint
 from producers.sample_data import write_sample_data
 
@@ -79,6 +82,41 @@ def test_same_data_twice_adds_nothing_and_chunk_ids_are_deterministic(tmp_path, 
     metas = [run_queue(conn, "p").fetch_job(i).meta for i in ids]
     assert all(m["tokens"] <= 512 for m in metas)
     assert sum(m["tokens"] for m in metas) == first.tokens and sum(m["samples"] for m in metas) == 80
+
+
+def test_epoch_estimate_is_near_the_count_from_the_first_chunk_and_exact_at_the_end():
+    """The trainer's learning-rate horizon before the producer has read the whole input: the estimate after each
+    chunk, on samples of ShareGPT-like spread packed by the real packer with a sort window (chunks of long samples
+    first, then of short ones, in every window), stays within 10% of the final count from the first chunk on."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(6.3, 0.8, 3000), 16, 2048).astype(int)  # tokens per sample, mean ~750
+    samples = [Sample(np.zeros(n, np.int32), np.ones(n, np.uint8), i) for i, n in enumerate(lengths)]
+    read_tokens, records, estimates = 0, 0, []
+
+    def reading():
+        nonlocal read_tokens, records
+        for sample in samples:
+            records += 1
+            read_tokens += len(sample)
+            yield sample
+
+    chunks = packed_tokens = 0
+    for group in pack(reading(), 8192, 256):
+        chunks += 1
+        packed_tokens += sum(len(s) for s in group)
+        estimates.append(estimate_chunks(chunks, packed_tokens, read_tokens, records, len(samples)))
+    assert estimates[-1] == chunks > 200
+    # measured: at most 4.8% off (2.9% after the first window); counting samples instead of tokens: 24.5%
+    errors = [abs(e - chunks) / chunks for e in estimates]
+    assert max(errors) < 0.10, max(errors)
+
+
+def test_the_producer_publishes_its_estimate_and_it_ends_equal_to_the_count(tmp_path, redis_url, qwen3_tokenizer_dir, conn):
+    data = write_sample_data(tmp_path / "sample.jsonl", n=80)
+    settings = make_settings(tmp_path, redis_url, qwen3_tokenizer_dir, [data])
+    run = open_run(settings)
+    report = produce(run, epochs=1, progress=False)
+    assert int(conn.get(run.keys.epoch_estimate)) == int(conn.get(run.keys.epoch_total(0))) == report.chunks > 1
 
 
 def test_two_producer_processes_respect_the_backlog_limit(tmp_path, redis_url, qwen3_tokenizer_dir):

@@ -27,6 +27,7 @@ from producers.records import data_fingerprint
 from producers.sample_data import write_sample_data
 from trainer import checkpoint
 from trainer.daemon import Trainer
+from trainer.step import WarmupCosine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -258,7 +259,8 @@ def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(t
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.warmup_ratio": 0.1})
     run, report = produce_and_extract(settings, conversations=48)
     total = run.conn.get(run.keys.epoch_total(0))
-    run.conn.delete(run.keys.epoch_total(0))  # as if the producer had not reached the end of the data yet
+    # as if the producer had not reached the end of an input whose size it cannot tell (gzipped JSONL)
+    run.conn.delete(run.keys.epoch_total(0), run.keys.epoch_estimate)
     peak = settings.train.learning_rate
     trainer = Trainer(run, "cpu", progress=False)
     trainer.run_until_done(max_steps=3)
@@ -278,6 +280,25 @@ def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(t
     assert all(r["seconds"]["read"] > 0 and r["seconds"]["compute"] > 0 and r["seconds"]["between"] >= 0 for r in steps)
     gaps = [b["time"] - a["time"] - sum(b["seconds"].values()) for a, b in zip(steps[4:], steps[5:])]
     assert all(-0.01 < gap < 0.5 for gap in gaps), gaps
+
+
+def test_learning_rate_follows_the_producers_estimate_before_the_count(tmp_path, redis_url, tiny_qwen35):
+    """An input whose record count is known (JSONL): the producer's running estimate of epoch 0 sets the horizon
+    from the first step, so the rate warms up over warmup_ratio of the run and decays along one cosine, with no jump
+    when the count arrives (found on an H200: held at its peak for 228 of 278 steps, then 8% of it)."""
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.warmup_ratio": 0.1})
+    run, report = produce_and_extract(settings, conversations=48)
+    total = run.conn.get(run.keys.epoch_total(0))
+    run.conn.delete(run.keys.epoch_total(0))  # the producer still reading: only its estimate is there
+    assert int(run.conn.get(run.keys.epoch_estimate)) == report.admitted >= 6
+    trainer = Trainer(run, "cpu", progress=False)
+    trainer.run_until_done(max_steps=3)
+    run.conn.set(run.keys.epoch_total(0), total)  # the count, which ends the epoch
+    trainer.run_until_done()
+    log = [json.loads(line) for line in Path(run.store.path(settings.train.log_file)).read_text().splitlines()]
+    lrs = [r["lr"] for r in log if "lr" in r]
+    cosine = WarmupCosine(0.1, report.admitted)
+    assert lrs == pytest.approx([settings.train.learning_rate * cosine(step) for step in range(report.admitted)])
 
 
 def test_out_of_memory_is_one_sentence_and_loses_nothing(tmp_path, redis_url, tiny_qwen35, monkeypatch):

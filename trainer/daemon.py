@@ -71,6 +71,7 @@ class Offer:
     unacknowledged: int  # entries it holds unacknowledged once the step is done
     stop: bool  # a signal asked it to stop
     totals: dict[int, int | None]  # rank 0: the chunks of each epoch, once the producer has counted them
+    horizon_chunks: int | None  # rank 0: epoch 0's chunks, counted or (until then) the producer's estimate
     overdue: bool  # rank 0: checkpoint_every_minutes passed, or half the store budget is held
 
 
@@ -110,7 +111,7 @@ class Trainer:
         torch.manual_seed(s.seed)
         self.drafter = DFlashDrafter(config).to(self.device)  # fp32 master weights, the same on every rank
         self.model = parallel.wrap(self.drafter, self.ranks, s.parallel, self.device)
-        # horizon: train.total_steps, else the steps left for the chunks left once the producer has counted an epoch
+        # horizon: train.total_steps, else the steps left for the chunks left of epoch 0's size (estimated or counted)
         self.schedule = WarmupCosine(s.warmup_ratio, s.total_steps or None)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), s.learning_rate, s.weight_decay,
                                                          self.schedule)
@@ -163,25 +164,31 @@ class Trainer:
         return meta.path
 
     # --- epochs -------------------------------------------------------------------------------------------
-    def _epoch_totals(self) -> dict[int, int | None]:
-        """Chunks per epoch as the producer counted them (None until it has seen the whole epoch); with retention
-        `keep` every epoch trains epoch 0's chunks."""
+    def _counts(self) -> tuple[dict[int, int | None], int | None]:
+        """Chunks per epoch as the producer counted them (None until it has seen the whole epoch; with retention
+        `keep` every epoch trains epoch 0's chunks), and epoch 0's chunks for the learning-rate horizon: counted,
+        else the producer's running estimate, else None."""
         epochs = range(self.cfg.epochs)
         key = (lambda e: e) if self.run.settings.store.retention == "delete" else (lambda e: 0)
-        raw = self.run.conn.mget([self.run.keys.epoch_total(key(e)) for e in epochs])
-        return {e: int(v) if v is not None else None for e, v in zip(epochs, raw)}
+        *raw, estimate = self.run.conn.mget([self.run.keys.epoch_total(key(e)) for e in epochs]
+                                            + [self.run.keys.epoch_estimate])
+        totals = {e: int(v) if v is not None else None for e, v in zip(epochs, raw)}
+        return totals, totals[0] or (int(estimate) if estimate is not None else None)
 
-    def _advance_epoch(self, totals: dict[int, int | None]) -> None:
-        """From rank 0's totals, so that every rank moves on at the same step."""
+    def _advance_epoch(self, totals: dict[int, int | None], horizon_chunks: int | None) -> None:
+        """From rank 0's counts, so that every rank moves on at the same step and sets the same horizon."""
         def done(epoch):
             return totals[epoch] is not None and len(self.state.consumed_in(epoch)) >= totals[epoch]
 
         while self.state.epoch < self.cfg.epochs and done(self.state.epoch):
             self.state.epoch += 1
-        if totals.get(0) and not self.cfg.total_steps:
-            left = totals[0] * self.cfg.epochs - sum(len(v) for v in self.state.consumed.values())
+        if horizon_chunks and not self.cfg.total_steps:
+            left = horizon_chunks * self.cfg.epochs - sum(len(v) for v in self.state.consumed.values())
             per_step = self.ranks.world_size * self.cfg.chunks_per_step
             self.schedule.total = max(1, self.state.step + math.ceil(max(0, left) / per_step))
+            # the coming step's rate was set under the former horizon (the first step's under none)
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * self.schedule(self.scheduler.last_epoch)
 
     @property
     def finished(self) -> bool:
@@ -236,8 +243,9 @@ class Trainer:
     def _offer(self, held: list[Entry]) -> Offer:
         duplicates, self.duplicates = self.duplicates, {}
         leader = self.ranks.leader
+        totals, horizon_chunks = self._counts() if leader else ({}, None)
         return Offer([(e.epoch, e.chunk) for e in held], duplicates, len(self.unacked) + sum(1 for e in held if e.id),
-                     self.stop_requested, self._epoch_totals() if leader else {}, leader and self._overdue())
+                     self.stop_requested, totals, horizon_chunks, leader and self._overdue())
 
     def _train(self, held: list[Entry], chunks_in_step: int) -> tuple[RankStats, float, float]:
         """This rank's part of one optimizer step; returns its stats, and the step's learning rate and gradient
@@ -412,7 +420,7 @@ class Trainer:
         try:
             with Progress(*columns, disable=not self.progress) as bar:
                 task = bar.add_task("train", total=None, status="waiting for blobs")
-                self._advance_epoch(self.ranks.from_leader(self._epoch_totals() if self.ranks.leader else None))
+                self._advance_epoch(*self.ranks.from_leader(self._counts() if self.ranks.leader else None))
                 self._publish()
                 steps_this_run = 0
                 while not self.finished and (max_steps is None or steps_this_run < max_steps):
@@ -426,9 +434,9 @@ class Trainer:
                         self.upcoming = self._take(ahead_of={c for offer in offers for _, c in offer.chunks})
                         last = self._step(held, offers)
                         steps_this_run += 1
-                    self._advance_epoch(offers[0].totals)
+                    self._advance_epoch(offers[0].totals, offers[0].horizon_chunks)
                     if last:
-                        counted = offers[0].totals.get(0) or self.cfg.total_steps
+                        counted = offers[0].horizon_chunks or self.cfg.total_steps
                         bar.update(task, completed=self.state.step, total=self.schedule.total if counted else None,
                                    status=f"epoch {self.state.epoch} loss {last['loss']:.3f} EAL {last['eal']:.2f}")
                     if any(offer.stop for offer in offers):

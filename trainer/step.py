@@ -49,10 +49,12 @@ def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device |
 
 class WarmupCosine:
     """Learning-rate factor: linear warm-up over `warmup_ratio` of the horizon, then cosine decay to zero. The
-    horizon `total` may grow while training runs (the trainer learns an epoch's size only when the producer has
-    seen the whole dataset); LambdaLR calls this object every step, so the new horizon applies at once. Until it is
-    known (`total` None) the factor warms up over defaults.UNKNOWN_HORIZON_WARMUP_STEPS and holds the peak: a
-    guessed horizon would decay the rate to zero while the producer is still reading a large dataset."""
+    horizon `total` may change while training runs (the trainer follows the producer's running estimate of an
+    epoch's size where the input's record count is known, and its count once it has seen the whole dataset);
+    LambdaLR calls this object every step, so the new horizon applies at once. Until there is one (`total` None:
+    gzipped or JSON input not yet read to the end) the factor warms up over defaults.UNKNOWN_HORIZON_WARMUP_STEPS and
+    holds the peak: a guessed horizon would decay the rate to zero while the producer is still reading a large
+    dataset."""
 
     def __init__(self, warmup_ratio: float, total: int | None):
         self.warmup_ratio = warmup_ratio
@@ -113,7 +115,7 @@ def backward(model: nn.Module, config: DrafterConfig, head: TargetHead, batch: B
 
 def optimizer_step(model: nn.Module, optimizer, scheduler, grad_clip: float) -> tuple[float, float]:
     """Clip, step the optimizer and the schedule; returns the step's learning rate and its gradient norm."""
-    lr = scheduler.get_last_lr()[0]
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the trainer may have set it since the schedule)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     optimizer.step()
     scheduler.step()
