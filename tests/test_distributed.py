@@ -97,9 +97,11 @@ def test_two_ranks_give_the_weights_of_one_rank_taking_two_chunks_per_step(tmp_p
     records_one = step_records(run)[len(records_two):]
     assert [r["chunks"] for r in records_one] == steps_two  # the same chunks, step by step
     # the same averaged gradient (AdamW would hide a wrong scale of it; its norm does not) and the same loss, to fp32
-    # precision: FSDP's reduce-scatter sums in another order than one rank does (seen: 1.6e-7 relative)
+    # precision at the first step: FSDP's reduce-scatter sums in another order than one rank does (seen: 1.6e-7
+    # relative). Later steps carry that noise through AdamW at the full rate (seen: 1.3e-5 relative at the third).
     for field in ("grad_norm", "loss", "tokens", "lr"):
-        torch.testing.assert_close([r[field] for r in records_two], [r[field] for r in records_one], rtol=1e-5, atol=0)
+        torch.testing.assert_close(records_two[0][field], records_one[0][field], rtol=1e-5, atol=0)
+        torch.testing.assert_close([r[field] for r in records_two], [r[field] for r in records_one], rtol=1e-4, atol=0)
     one_rank = checkpoint.read(checkpoint.latest(ckpts))
     assert one_rank.state.step == two_ranks.state.step == len(steps_two)
     torch.manual_seed(settings.train.seed)
