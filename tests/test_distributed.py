@@ -107,7 +107,10 @@ def test_two_ranks_give_the_weights_of_one_rank_taking_two_chunks_per_step(tmp_p
     torch.manual_seed(settings.train.seed)
     initial = DFlashDrafter(DrafterConfig(**one_rank.drafter_config)).state_dict()
     assert any(not torch.allclose(initial[k], one_rank.weights[k]) for k in initial)  # it trained
-    torch.testing.assert_close(two_ranks.weights, one_rank.weights)
+    # AdamW's normalised update moves a weight whose gradient is near zero by up to the whole rate either way, so the
+    # reduction-order noise can show in a few weights (seen: 6.6e-5 in 1 of 8,192); a wrong step would move most of them
+    # by the order of the rate (6e-4), three times this tolerance
+    torch.testing.assert_close(two_ranks.weights, one_rank.weights, rtol=1.3e-6, atol=2e-4)
     for name, slots in one_rank.optimizer["state"].items():
         torch.testing.assert_close(two_ranks.optimizer["state"][name], slots)
     assert sorted(two_ranks.rng) == [0, 1]  # both ranks' RNG states
