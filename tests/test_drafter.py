@@ -346,3 +346,18 @@ def test_compiled_elementwise_regions_compute_what_the_eager_code_does():
         for e, c in zip(_chunk_terms(logits, targets, scale, need_grad),
                         compiled(_chunk_terms)(logits, targets, scale, need_grad)):
             torch.testing.assert_close(c, e)
+
+
+def test_autocast_training_forward_computes_what_the_served_bf16_drafter_does(head, batch):
+    """The trainer keeps fp32 master weights under bf16 autocast; servers run the exported drafter with bf16 weights.
+    Both must compute the same thing: bf16 queries, keys and residual stream (an fp32 norm weight under autocast
+    once made them fp32, doubling attention's time on an H200). Checked on the CPU, where autocast runs too."""
+    context, block_ids, anchors, _ = batch
+    drafter = make_drafter([FULL, FULL])
+    served = make_drafter([FULL, FULL]).to(torch.bfloat16)
+    bf16_head = TargetHead(head.embed_tokens.to(torch.bfloat16), head.lm_head.to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trained = drafter(context, block_ids, anchors, bf16_head, "sdpa")  # [b, N, B, H]
+    reference = served(context.to(torch.bfloat16), block_ids, anchors, bf16_head, "sdpa")  # [b, N, B, H]
+    assert trained.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(trained, reference, rtol=0, atol=0)

@@ -137,10 +137,12 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # Normalise in fp32 and scale in the input dtype, as Qwen3 does (bf16 statistics lose acceptance).
+    # Normalise in fp32 and scale in the input dtype, as Qwen3 does (bf16 statistics lose acceptance). The fp32
+    # master weight is cast too: under autocast an fp32 product would carry fp32 queries and keys into attention
+    # (2x its time on an H200) and an fp32 residual stream, where the served bf16 model has bf16 throughout.
     x32 = x.float()  # [..., size]
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., size]
-    return weight * normed.to(x.dtype)  # [..., size]
+    return weight.to(x.dtype) * normed.to(x.dtype)  # [..., size]
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
