@@ -3,7 +3,7 @@ greedy decoding), and offline per-slot accuracy / EAL over held-out blobs.
 
 Target KV cache: hybrid Gated-DeltaNet targets (Qwen3.5/3.6, Qwen3-Next) keep a recurrent state per linear-attention
 layer that cannot be rolled back after a rejected draft (Transformers reports `cache.is_croppable == False`, and its
-own assisted decoding refuses such caches). For those, the cache is copied before each verification and, when a draft
+own assisted decoding refuses such caches; from 5.25 only once the layers record their past states, which is off). For those, the cache is copied before each verification and, when a draft
 is rejected, the copy is advanced over the accepted tokens only (one extra target forward of accepted + 1 tokens).
 Croppable caches (plain attention) are cropped instead. tau counts verification passes only, never that replay.
 """
@@ -68,9 +68,13 @@ def _forward(model: torch.nn.Module, input_ids: Tensor, cache=None, **kwargs):
 
 
 def _croppable(cache) -> bool:
-    # `is_croppable` exists from Transformers 5.17; before it, linear-attention layers are the ones crop() refuses
+    # `is_croppable` exists from Transformers 5.17; before it, linear-attention layers are the ones crop() refuses.
+    # From 5.25 it also says yes for layers that could record their past states, yet crop() refuses them unless
+    # recording was switched on: a layer with `record_past` False cannot be cropped now.
     croppable = getattr(cache, "is_croppable", None)
-    return not any(cache.is_linear) if croppable is None else croppable
+    if croppable is None:
+        return not any(cache.is_linear)
+    return croppable and not any(getattr(layer, "record_past", None) is False for layer in cache.layers)
 
 
 @dataclasses.dataclass
