@@ -361,3 +361,24 @@ def test_autocast_training_forward_computes_what_the_served_bf16_drafter_does(he
     reference = served(context.to(torch.bfloat16), block_ids, anchors, bf16_head, "sdpa")  # [b, N, B, H]
     assert trained.dtype == reference.dtype == torch.bfloat16
     torch.testing.assert_close(trained, reference, rtol=0, atol=0)
+
+
+def test_compiled_layer_computes_what_the_eager_layer_does(head, batch):
+    """Flex training on the GPU runs each decoder layer as one compiled region (trainer.drafter.run_layer). CI has no
+    GPU; the same compiled region runs here on the CPU, forward only (CPU flex_attention has no backward)."""
+    from trainer.drafter import rope_cos_sin, run_layer
+    from trainer.fused import compiled
+
+    context, block_ids, anchors, _ = batch
+    drafter = make_drafter([FULL])
+    cfg = drafter.config
+    x = head.embed(block_ids).flatten(1, 2)  # [b, Q, H]
+    hidden = drafter.hidden_norm(drafter.fc(context))  # [b, T, H]
+    block_pos = (anchors[:, :, None] + torch.arange(BLOCK)).flatten(1)  # [b, Q]
+    cos_b, sin_b = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta)  # [b, Q, D] x2
+    rope_context = rope_cos_sin(torch.arange(context.shape[1]), cfg.head_dim, cfg.rope_theta)  # [T, D] x2
+    mask = flex_block_mask(dflash_mask_mod(anchors, BLOCK, context.shape[1], None), anchors, BLOCK,
+                           context.shape[1], None)
+    args = (drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(run_layer)(*args), run_layer(*args), rtol=1e-4, atol=1e-4)
