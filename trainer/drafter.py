@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -312,7 +313,9 @@ class DFlashDrafter(nn.Module):
             else:
                 masks[layer_type] = dense_groups(mask_mod, anchors, block_size, context_len, defaults.SDPA_GROUP_BLOCKS)
         for layer, layer_type in zip(self.layers, cfg.layer_types):
-            run = fused(run_layer, x, torch.is_grad_enabled() and use_flex)
+            # FSDP2 layers (train.parallel = "fsdp") stay eager: their all-gather hooks inside the compiled region have
+            # not been run on a GPU
+            run = fused(run_layer, x, torch.is_grad_enabled() and use_flex and not isinstance(layer, FSDPModule))
             x = run(layer, x, context, rope_block, rope_context, masks[layer_type])  # [b, Q, H]
         return self.norm(x).view(b, num_blocks, block_size, -1)  # [b, N, B, H]
 
