@@ -3,8 +3,9 @@ greedy decoding), and offline per-slot accuracy / EAL over held-out blobs.
 
 Target KV cache: hybrid Gated-DeltaNet targets (Qwen3.5/3.6, Qwen3-Next) keep a recurrent state per linear-attention
 layer that cannot be rolled back after a rejected draft (Transformers reports `cache.is_croppable == False`, and its
-own assisted decoding refuses such caches; from 5.25 only once the layers record their past states, which is off). For those, the cache is copied before each verification and, when a draft
-is rejected, the copy is advanced over the accepted tokens only (one extra target forward of accepted + 1 tokens).
+own assisted decoding refuses such caches; from 5.25 they can be, but only once the layers record their past states,
+which is off). For those, the cache is copied before each verification and, when a draft is rejected, the copy is
+advanced over the accepted tokens only (one extra target forward of accepted + 1 tokens).
 Croppable caches (plain attention) are cropped instead. tau counts verification passes only, never that replay.
 """
 
