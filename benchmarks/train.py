@@ -11,8 +11,9 @@ input needs no gradient; the frozen head x2: logits + input gradient) plus atten
 see (x3.5: forward + FlashAttention-style backward).
 --shape picks the target: qwen3.6-27b (above), qwen3-8b (H 4096, V 151936, full attention) or smollm2 (H 576, V 49152,
 the target's own 9/3 heads of 64). --lengths varied draws sample lengths per step and packs them as the trainer packs
-a chunk, so shapes change as in a run; compile_seconds = the whole run minus every step at the steady median.
-Usage: python benchmarks/train.py [--tiny] [--shape qwen3-8b] [--steps 20] [--lengths varied] [--profile] [--ranks 8]
+a chunk, so shapes change as in a run; --lengths chat also leaves short samples fewer anchor candidates than --anchors;
+compile_seconds = the whole run minus every step at the steady median.
+Usage: python benchmarks/train.py [--tiny] [--shape qwen3-8b] [--steps 20] [--lengths varied|chat] [--profile] [--ranks 8]
 """
 
 from __future__ import annotations
@@ -73,20 +74,30 @@ SHAPES = {
 
 
 def batches(args, cfg, device, dtype, gen: torch.Generator):
-    """Fixed: `--batch` samples of `--seq-len` tokens every step. Varied: samples of 1/4..1x `--seq-len` tokens, packed
-    into micro-batches of at most `--micro-batch-tokens` padded tokens as the trainer packs a chunk (so the shapes
-    change from step to step, as in a run)."""
+    """Batches and their sample lengths. Fixed: `--batch` samples of `--seq-len` tokens every step, all supervised.
+    Varied: samples of 1/4..1x `--seq-len` tokens, packed into micro-batches of at most `--micro-batch-tokens` padded
+    tokens as the trainer packs a chunk (so the shapes change from step to step, as in a run). Chat: as varied over
+    1/16..1x `--seq-len`, each sample's first 0-50% a prompt without loss, so short samples hold fewer anchor
+    candidates than `--anchors`, as a chat data set's do (the quality benchmark's average 462 in 712 tokens)."""
     while True:
         if args.lengths == "fixed":
             lengths = [args.seq_len] * args.batch
         else:
-            lengths = torch.randint(args.seq_len // 4, args.seq_len + 1, (64,), generator=gen).tolist()
-            lengths = [lengths[i] for i in micro_batches(lengths, args.micro_batch_tokens)[0]]
+            shortest = args.seq_len // (16 if args.lengths == "chat" else 4)
+            lengths = torch.randint(shortest, args.seq_len + 1, (64,), generator=gen).tolist()
+            groups = micro_batches(lengths, args.micro_batch_tokens)
+            # varied keeps its first (longest) micro-batch, as its earlier figures did; chat any of them
+            pick = int(torch.randint(len(groups), (1,), generator=gen)) if args.lengths == "chat" else 0
+            lengths = [lengths[i] for i in groups[pick]]
         b, t = len(lengths), max(lengths)
-        mask = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).to(torch.uint8)  # [b, T]
+        prompts = torch.zeros(b, dtype=torch.long)  # [b]
+        if args.lengths == "chat":
+            prompts = (torch.rand(b, generator=gen) * 0.5 * torch.tensor(lengths)).long()  # [b]
+        positions = torch.arange(t)[None]  # [1, T]
+        mask = ((positions >= prompts[:, None]) & (positions < torch.tensor(lengths)[:, None])).to(torch.uint8)  # [b, T]
         yield Batch(torch.randn(b, t, cfg.num_tapped * cfg.hidden_size, dtype=dtype, device=device),  # [b, T, K*H]
                     torch.randint(0, cfg.vocab_size, (b, t), device=device),  # [b, T]
-                    mask.to(device))  # [b, T]
+                    mask.to(device)), lengths  # [b, T]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,8 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--lengths", choices=["fixed", "varied"], default="fixed",
-                        help="varied: random sample lengths packed like a chunk; reports compile time over the run")
+    parser.add_argument("--lengths", choices=["fixed", "varied", "chat"], default="fixed",
+                        help="varied: random sample lengths packed like a chunk; chat: shorter ones, prompts without "
+                             "loss; both report compile time over the run")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
     parser.add_argument("--profile", action="store_true", help="also print the top operators of one step")
@@ -137,24 +149,24 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, flops, samples, tokens = [], [], [], []
     for _ in range(args.warmup_steps + args.steps):  # the first ones compile flex attention and the block masks
-        batch = next(source)
-        # the step's own anchor draws, for its FLOP count
+        batch, lengths = next(source)
+        # the step's own anchor draws, for its FLOP count (padding anchors are no work the model needs)
         probe = torch.Generator(device=device).manual_seed(generator.initial_seed())
         probe.set_state(generator.get_state())
-        anchors = sample_anchors(batch.loss_mask, args.anchors, probe)[0]
+        anchors, valid = sample_anchors(batch.loss_mask, args.anchors, probe)
         sync(device)
         t0 = time.perf_counter()
         stats = train_step(drafter, head, batch, optimizer, scheduler, **kwargs)
         sync(device)
         times.append(time.perf_counter() - t0)
-        flops.append(sum(step_flops(cfg, int(row.sum()), a[None]) for row, a in zip(batch.loss_mask, anchors)))
+        flops.append(sum(step_flops(cfg, n, a[v][None]) for n, a, v in zip(lengths, anchors, valid)))
         samples.append(batch.loss_mask.shape[0])
         tokens.append(int(batch.loss_mask.sum()))
     timed, timed_flops = times[args.warmup_steps:], flops[args.warmup_steps:]
     median = statistics.median(timed)
     seconds = sum(timed)
     if args.profile and ranks.leader:
-        print_profile(device, lambda: train_step(drafter, head, next(source), optimizer, scheduler, **kwargs))
+        print_profile(device, lambda: train_step(drafter, head, next(source)[0], optimizer, scheduler, **kwargs))
     return {
         "benchmark": "train",
         "shape": "tiny" if args.tiny else args.shape,

@@ -74,6 +74,13 @@ def test_train_benchmark_steps():
     assert report["tokens_per_s"] == pytest.approx(report["seq_len"] * report["samples_per_s"], rel=1e-3)
 
 
+def test_train_benchmark_chat_lengths_leave_prompts_out_of_the_loss():
+    report, _ = bench("train.py", "--tiny", "--lengths", "chat", "--steps", "3", "--warmup-steps", "0")
+    assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])
+    # supervised tokens per sample: under the longest sample, as the unsupervised prompts and shorter samples take
+    assert 0 < report["tokens_per_s"] < report["seq_len"] * report["samples_per_s"]
+
+
 def test_produce_benchmark_admits_every_conversation():
     report, _ = bench("produce.py", "--conversations", "200", "--processes", "1")
     assert report["conversations"] == 200 and report["chunks"] > 0

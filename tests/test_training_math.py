@@ -32,6 +32,19 @@ def test_anchor_columns_shrink_to_the_most_candidates_in_the_batch():
     assert anchors.tolist() == [[0, 1]] and valid.all()
 
 
+def test_exact_anchor_count_pads_with_invalid_anchors_and_draws_the_same_valid_ones():
+    # compiled flex training keeps the query length (anchors x block) a constant of the kernel
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0, 1, 0, 1, 1],
+                              [0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])
+    for seed in range(10):
+        shrunk = sample_anchors(loss_mask, 20, torch.Generator().manual_seed(seed))
+        exact = sample_anchors(loss_mask, 20, torch.Generator().manual_seed(seed), exact=True)
+        assert shrunk[0].shape == (2, 4) and exact[0].shape == (2, 20)  # 20 > the 12 positions of a row
+        for row in range(2):
+            assert exact[0][row][exact[1][row]].tolist() == shrunk[0][row][shrunk[1][row]].tolist()
+        assert exact[1].sum() == shrunk[1].sum() == 5 and (exact[0][~exact[1]] == 0).all()
+
+
 def test_anchor_sampling_is_reproducible_and_uniform():
     loss_mask = torch.ones(4000, 11, dtype=torch.long)  # 10 candidates per row
     first, _ = sample_anchors(loss_mask, 3, torch.Generator().manual_seed(7))

@@ -16,25 +16,30 @@ def chunk_generator(seed: int, epoch: int, chunk: str, device: torch.device | st
 
 
 def sample_anchors(
-    loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None, exact: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Up to `num_anchors` anchors per sequence, drawn uniformly without replacement among positions p with
     loss_mask[p] and loss_mask[p + 1] both set, sorted ascending, padded at the end with invalid anchors at 0.
 
     loss_mask [batch, T] (right-padded with zeros); `generator` must live on loss_mask's device.
-    Returns anchors [batch, N] long and valid [batch, N] bool, N = min(num_anchors, most candidates in a row), >= 1.
+    Returns anchors [batch, N] long and valid [batch, N] bool, N = min(num_anchors, most candidates in a row), >= 1;
+    with `exact`, N = num_anchors whatever the rows hold (the valid anchors are the same draws either way). Compiled
+    flex training asks for it: a query length (N x block) that changes with the micro-batch recompiled the layer
+    until Dynamo's limit, then ran it eager, or symbolic at about half the kernel's speed.
     """
     supervised = loss_mask.bool()  # [batch, T]
     candidate = torch.zeros_like(supervised)  # [batch, T]
     candidate[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
-    n = max(1, min(num_anchors, int(candidate.sum(1).max())))
+    n = num_anchors if exact else max(1, min(num_anchors, int(candidate.sum(1).max())))
     # The n smallest of iid uniform keys form a uniform random subset; non-candidates get keys above any uniform.
     keys = torch.rand(candidate.shape, generator=generator, device=loss_mask.device)  # [batch, T]
     keys = keys.masked_fill(~candidate, 2.0)  # [batch, T]
+    if n > keys.shape[1]:  # rows shorter than the anchor count: the extra columns can only be invalid
+        keys = torch.nn.functional.pad(keys, (0, n - keys.shape[1]), value=2.0)  # [batch, n]
     chosen_keys, positions = keys.topk(n, dim=1, largest=False)  # [batch, N], [batch, N]
     valid = chosen_keys < 2.0  # [batch, N]
     # Sorting with invalid ones pushed past every real position keeps valid anchors first and ascending.
-    order_key = positions.masked_fill(~valid, candidate.shape[1])  # [batch, N]
+    order_key = positions.masked_fill(~valid, keys.shape[1])  # [batch, N]
     order_key, order = order_key.sort(dim=1)  # [batch, N], [batch, N]
     valid = valid.gather(1, order)  # [batch, N]
     anchors = order_key.masked_fill(~valid, 0)  # [batch, N]

@@ -262,6 +262,11 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # [b, Q, H]
 
 
+def uses_flex(attention: Attention, x: Tensor) -> bool:
+    """Whether a forward over `x` runs flex attention: asked for, or "auto" on the GPU."""
+    return attention == "flex" or (attention == "auto" and x.is_cuda)
+
+
 def run_layer(layer: DrafterLayer, x: Tensor, context: Tensor, rope_block, rope_context, mask) -> Tensor:
     # A whole layer as one compiled region in flex training: small drafters' steps waited on the CPU launching
     # hundreds of kernels (SmolLM2 shape on an H200: 38 ms of GPU work in a 61 ms step). One function for every
@@ -303,7 +308,11 @@ class DFlashDrafter(nn.Module):
         cos_c, sin_c = rope_cos_sin(context_pos, cfg.head_dim, cfg.rope_theta)  # [T, D] x2
         rope_block = (cos_b[:, None], sin_b[:, None])  # [b, 1, Q, D] x2
         rope_context = (cos_c, sin_c)  # [T, D] x2
-        use_flex = attention == "flex" or (attention == "auto" and x.is_cuda)
+        use_flex = uses_flex(attention, x)
+        if use_flex and torch.is_grad_enabled():
+            # the frozen embedding gives no gradient; asking for one (a few small products) lets the first layer
+            # share the compiled region of the others instead of compiling its own variant
+            x.requires_grad_(True)
         masks = {}
         for layer_type in dict.fromkeys(cfg.layer_types):
             window = cfg.sliding_window if layer_type == "sliding_attention" else None

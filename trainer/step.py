@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from dflashq import defaults
 from trainer.anchors import gather_blocks, sample_anchors
-from trainer.drafter import Attention, DFlashDrafter, DrafterConfig
+from trainer.drafter import Attention, DFlashDrafter, DrafterConfig, uses_flex
 from trainer.loss import DFlashLoss, dflash_loss
 from trainer.target_head import TargetHead
 
@@ -101,7 +101,8 @@ def backward(model: nn.Module, config: DrafterConfig, head: TargetHead, batch: B
              attention: Attention = "auto") -> DFlashLoss:
     """Forward and backward of one (micro-)batch through `model` (the drafter, or its DDP / FSDP form), the
     gradient of `scale` x its loss accumulated into the parameters."""
-    anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator)  # [b, N] x2
+    anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator,
+                                    exact=uses_flex(attention, batch.context))  # [b, N] x2
     block_ids, targets, slot_valid = gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid,
                                                    config.block_size, config.mask_token_id)  # [b, N, B] x3
     on_gpu = batch.context.is_cuda
