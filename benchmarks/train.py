@@ -187,6 +187,9 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
         "matmul_tflops": round(ceiling, 1),
         "model_tflops": round(sum(timed_flops) / seconds / 1e12, 1),
         "mfu": round(sum(timed_flops) / seconds / 1e12 / ceiling, 3) if device.type == "cuda" else None,
+        # per step, then the median: a run whose changing shapes still compile now and then shows its steady rate
+        "median_step_mfu": round(statistics.median(f / t for f, t in zip(timed_flops, timed)) / 1e12 / ceiling, 3)
+        if device.type == "cuda" else None,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if device.type == "cuda" else None,
         "last_loss": round(stats.loss, 3),
     }

@@ -11,7 +11,6 @@ frozen embed_tokens / lm_head live in a TargetHead passed to each call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ from dflashq import defaults
 from dflashq.exceptions import ConfigError
 from dflashq.layer_ids import default_layer_ids
 from trainer.attention_mask import DenseGroup, dense_groups, dflash_mask_mod, flex_block_mask
-from trainer.fused import fused
+from trainer.fused import compiled, fused
 from trainer.target_head import TargetHead
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -223,14 +222,14 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b, hq, Qg, D]
 
 
-@functools.cache
-def _flex(compiled: bool):
+def _flex(on_gpu: bool):
     # Eager flex_attention materialises the whole score matrix; only the compiled kernel is fused (CUDA). Dynamo's
     # automatic dynamic shapes: the first shape compiles static, the second makes only the sizes that changed
-    # symbolic (rows, context length), so a run of changing micro-batches compiles two or three times in all while
-    # the query length (anchors x block) stays a constant of the kernel; dynamic=True made it symbolic too, which
-    # halved the kernel's speed (SmolLM2 drafter shape on an H200: 5.8 vs 2.9-3.6 ms forward + backward).
-    return torch.compile(flex_attention) if compiled else flex_attention
+    # symbolic (rows, context length), while the query length (anchors x block: trainer.anchors' exact count in
+    # training) stays a constant of the kernel; dynamic=True made it symbolic too, which halved the kernel's speed
+    # (SmolLM2 drafter shape on an H200: 5.8 vs 2.9-3.6 ms forward + backward). Inside a compiled layer region the
+    # region's compilation takes flex_attention in.
+    return compiled(flex_attention) if on_gpu and not torch.compiler.is_compiling() else flex_attention
 
 
 class DrafterMLP(nn.Module):

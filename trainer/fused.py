@@ -12,13 +12,23 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch._inductor import config as inductor_config
+
+
+# Inductor's mix-order reduction (one kernel for a norm backward's row and column reductions) is chosen by tensor
+# size, which guards every compiled region on its rows: the SmolLM2 drafter's layer recompiled at 5 and at 14 rows
+# of a micro-batch (H200, torch 2.11, benchmarks/train.py --lengths chat) and a quality run hit Dynamo's limit of 8
+# compilations, after which the layer ran eager. The non-strict mode skips the size test, so no guard.
+_OPTIONS = ({"triton.mix_order_reduction_non_strict_mode": True}
+            if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode") else {})
 
 
 @functools.cache
 def compiled(fn: Callable) -> Callable:
-    return torch.compile(fn)
+    return torch.compile(fn, options=_OPTIONS)
 
 
 def fused(fn: Callable, x: Tensor, training: bool) -> Callable:
-    """`fn` itself, or compiled when it runs on the GPU in training (x: a tensor it reads)."""
-    return compiled(fn) if x.is_cuda and training else fn
+    """`fn` itself, or compiled when it runs on the GPU in training (x: a tensor it reads); inside a region being
+    compiled (a drafter layer) `fn` itself, which that region's compilation takes in."""
+    return compiled(fn) if x.is_cuda and training and not torch.compiler.is_compiling() else fn
