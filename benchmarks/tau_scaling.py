@@ -1,11 +1,11 @@
 """Tau against trained tokens over the quality benchmark's recorded runs (benchmarks/results/quality-*.json), with a
-power-law fit of tau - 1 per benchmark over the runs at one learning rate, and what the fit asks for the issue's
-goal: the trained tokens for tau 2.5 on MT-Bench and 3.0 on HumanEval, and the GPU-minutes they take at the
-trainer's measured rate. Writes a PNG and prints one JSON line.
+power-law fit of tau - 1 per benchmark over the runs of one recipe (learning rate, anchors), and what the fit asks
+for the issue's goal: the trained tokens for tau 2.5 on MT-Bench and 3.0 on HumanEval, and the GPU-minutes they take
+at the trainer's measured rate. Writes a PNG and prints one JSON line.
 
 Only like is compared with like: drafters trained on bf16 blobs, tau on the first 24 prompts of each set (every run
 measured those) in bf16 on the GPU.
-Usage: python benchmarks/tau_scaling.py [--results benchmarks/results] [--png FILE] [--learning-rate 6e-4]
+Usage: python benchmarks/tau_scaling.py [--results benchmarks/results] [--png FILE] [--learning-rate 6e-4] [--anchors 512]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def runs(results: Path) -> list[dict]:
                     taus[name] = e["dflashq_tau"]
             rows.append({
                 "run": path.stem.removeprefix("quality-") + (f"-{label}" if label else ""),
-                "learning_rate": flag(command, "learning-rate", 6e-4),
+                "learning_rate": flag(command, "learning-rate", 6e-4), "anchors": int(flag(command, "anchors", 512)),
                 "trained_tokens": up["tokens_extracted"] * flag(command, "epochs", 2),  # retention keep: extracted once
                 "up_seconds": up["seconds"], **taus})
     return rows
@@ -67,9 +67,10 @@ def main() -> None:
     parser.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--png", default="tau-scaling.png")
     parser.add_argument("--learning-rate", type=float, default=6e-4, help="the runs the fit is drawn through")
+    parser.add_argument("--anchors", type=int, default=512, help="... and their train.num_anchors")
     args = parser.parse_args()
     rows = runs(Path(args.results))
-    fitted = [r for r in rows if math.isclose(r["learning_rate"], args.learning_rate)]
+    fitted = [r for r in rows if math.isclose(r["learning_rate"], args.learning_rate) and r["anchors"] == args.anchors]
     # the trainer's rate in the newest fitted run: seconds of `up` per trained token
     newest = max(fitted, key=lambda r: r["run"])
     seconds_per_token = newest["up_seconds"] / newest["trained_tokens"]
@@ -83,13 +84,14 @@ def main() -> None:
         summary[name] = {"runs": len(points), "exponent": round(b, 3), "goal": goal,
                          "tokens_for_goal_m": round(needed / 1e6, 1),
                          "up_minutes_for_goal": round(needed * seconds_per_token / 60, 1)}
-        line = axes.plot([t / 1e6 for t, _ in points], [tau for _, tau in points], "o", label=f"{name} (lr {args.learning_rate:g})")[0]
+        line = axes.plot([t / 1e6 for t, _ in points], [tau for _, tau in points], "o",
+                         label=f"{name} (lr {args.learning_rate:g}, {args.anchors} anchors)")[0]
         grid = [10 ** (6 + 2.2 * i / 100) for i in range(101)]
         axes.plot([t / 1e6 for t in grid], [1 + math.exp(a) * t ** b for t in grid], "--", color=line.get_color(), alpha=0.6)
         axes.axhline(goal, color=line.get_color(), linestyle=":", alpha=0.6)
         others = [(r["trained_tokens"] / 1e6, r[name]) for r in rows if r.get(name) and r not in fitted]
         if others:
-            axes.plot(*zip(*others), "x", color=line.get_color(), label=f"{name}, other learning rates")
+            axes.plot(*zip(*others), "x", color=line.get_color(), label=f"{name}, other recipes")
     axes.set_xscale("log")
     axes.set_xlabel("trained tokens (millions)")
     axes.set_ylabel(f"tau (first {PROMPTS} prompts)")

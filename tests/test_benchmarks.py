@@ -218,13 +218,14 @@ def test_random_target_of_a_shape_is_a_folder_the_workers_load(tmp_path):
 
 
 def test_tau_scaling_fit_recovers_a_known_power_law_and_its_goal(tmp_path):
-    """Runs whose tau - 1 follows 0.02 * (tokens / 1e5) ** 0.75 (one other learning rate off the curve, one fp8 run):
-    the fit over the bf16 runs at 6e-4 gives back the exponent and the tokens where tau reaches each goal."""
+    """Runs whose tau - 1 follows 0.02 * (tokens / 1e5) ** 0.75 (one other learning rate and one other anchor count off
+    the curve, one fp8 run): the fit over the bf16 runs at 6e-4 and 512 anchors gives back the exponent and the tokens
+    where tau reaches each goal."""
     def tau(tokens):
         return round(1 + 0.02 * (tokens / 1e5) ** 0.75, 6)
 
-    def record(name, tokens_extracted, epochs, lr=6e-4, seconds=100.0, **extra):
-        command = f"python benchmarks/quality.py --epochs {epochs} --learning-rate {lr}"
+    def record(name, tokens_extracted, epochs, lr=6e-4, seconds=100.0, flags="", **extra):
+        command = f"python benchmarks/quality.py --epochs {epochs} --learning-rate {lr} {flags}"
         evaluated = {b: {"prompts": 24, "dflashq_tau": tau(tokens_extracted * epochs)} for b in ("mt_bench", "humaneval")}
         (tmp_path / f"quality-{name}.json").write_text(json.dumps(
             {"command": command, "up": {"tokens_extracted": tokens_extracted, "seconds": seconds}, "eval": evaluated, **extra}))
@@ -233,10 +234,11 @@ def test_tau_scaling_fit_recovers_a_known_power_law_and_its_goal(tmp_path):
     record("a-run2", 2_000_000, 3)
     record("a-run3", 5_000_000, 4, seconds=400.0)
     record("a-run4", 5_000_000, 4, lr=2e-3)  # not fitted
+    record("a-run5", 5_000_000, 4, flags="--anchors 128", seconds=1.0)  # another recipe: not fitted either
     (tmp_path / "quality-a-codec.json").write_text(json.dumps({"command": "--epochs 2", "runs": {
         "fp8": {"up": {"tokens_extracted": 1_000_000, "seconds": 1.0}, "eval": {"mt_bench": {"prompts": 24, "dflashq_tau": 9.0}}}}}))
     report, _ = bench("tau_scaling.py", "--results", str(tmp_path), "--png", str(tmp_path / "tau.png"))
-    assert [r["run"] for r in report["runs"]] == ["a-run1", "a-run2", "a-run3", "a-run4"]  # the fp8 drafter left out
+    assert [r["run"] for r in report["runs"]] == ["a-run1", "a-run2", "a-run3", "a-run4", "a-run5"]  # fp8 left out
     for name, goal in (("mt_bench", 2.5), ("humaneval", 3.0)):
         fitted = report["fit"][name]
         assert fitted["runs"] == 3 and fitted["exponent"] == pytest.approx(0.75, abs=1e-3)
