@@ -105,7 +105,7 @@ LOSS_CHUNK_ROWS = 2048
 MICRO_BATCH_TOKENS = 8192  # padded tokens per forward/backward; a chunk's micro-batches make one optimizer step
 CLAIM_IDLE_SECONDS = 60.0  # stream entries a dead trainer left pending this long are claimed
 TRAIN_LOG = "train_log.jsonl"
-READ_AHEAD_THREADS = 2  # host threads decoding the next step's blobs while a step trains (trainer.prefetch)
+READ_AHEAD_THREADS = 2  # host threads decoding blobs while a step trains: the next step's, and with retention keep after epoch 0 this many steps beyond it (trainer.prefetch)
 SLIDING_WINDOW = 2048  # used only by layers that train.layer_types makes sliding
 # Drafter shape; 0 / empty = the default. Attention: the released drafters' 32 query / 8 kv heads of 128 whatever the
 # hidden size (vLLM and SGLang shard heads: TP 1/2/4/8 must divide them); a target under hidden size 1024 (test and

@@ -143,6 +143,21 @@ def test_retention_keep_reads_later_epochs_from_the_store(tmp_path, redis_url, t
     assert_backlog_drained(run)
 
 
+def test_retention_keep_reads_the_blobs_of_later_steps_ahead_and_leaves_none_unread(tmp_path, redis_url, tiny_qwen35):
+    settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"store.retention": "keep", "train.epochs": 2})
+    run, report = produce_and_extract(settings)
+    trainer = Trainer(run, "cpu", progress=False)
+    asked, ahead = [], trainer.prefetch.ahead
+    trainer.prefetch.ahead = lambda paths: (asked.append(list(paths)), ahead(paths))[1]
+    result = trainer.run_until_done()
+    assert result.consumed == {0: report.admitted, 1: report.admitted} and report.admitted >= 4
+    paths = [run.store.blob_path(chunk, 0) for chunk in final_state(settings).consumed[1]]  # epoch 1's training order
+    depth = 1 + trainer.prefetch.threads
+    for i in range(len(paths) - 1):  # while step i trained, the next `depth` steps' blobs were asked for, in order
+        assert paths[i + 1:i + 1 + depth] in asked
+    assert not trainer.prefetch.pending  # every blob read ahead was trained
+
+
 def test_fp8_blobs_train_like_bf16_blobs_in_about_half_the_bytes(tmp_path, redis_url, tiny_qwen35):
     results = {}
     for codec in ("bf16", "fp8"):

@@ -17,7 +17,8 @@ from dflashq.store import Store
 class Prefetcher:
     def __init__(self, store: Store, threads: int):
         self.store = store
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="blob-read")
+        self.threads = max(1, threads)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="blob-read")
         self.pending: dict[str, concurrent.futures.Future] = {}
 
     def _read(self, path: str) -> Blob:
