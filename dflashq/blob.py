@@ -250,7 +250,7 @@ class Blob:
     def hidden_on(self, device: torch.device | str) -> torch.Tensor:
         """[N, K, H] in the target dtype on `device`: the byte planes travel as they are stored and are unshuffled
         (and an fp8 blob dequantized) there."""
-        values = unshuffle_bytes(self.planes.to(device), self.stored_dtype)
+        values = unshuffle_bytes(self.planes.to(device, non_blocking=self.planes.is_pinned()), self.stored_dtype)
         if self.scales is None:
             return values
         return dequantize_fp8(values, self.scales.to(device), self.dtype)
@@ -313,10 +313,10 @@ def read_metadata(data: bytes | memoryview) -> dict[str, str]:
     return metadata
 
 
-def _decompress(compressed: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+def _decompress(compressed: np.ndarray, shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
     """zstd straight into a new uint8 tensor of `shape` (no copy of the output); reading past its end makes zstd
     check the frame's content checksum, and finds a frame longer than the shape."""
-    out = torch.empty(shape, dtype=torch.uint8)
+    out = torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)
     view, got = memoryview(out.numpy()).cast("B"), 0
     with zstandard.ZstdDecompressor().stream_reader(compressed) as reader:
         while got < len(view):
@@ -329,9 +329,10 @@ def _decompress(compressed: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
-def decode_blob(data: bytes) -> Blob:
+def decode_blob(data: bytes, pinned: bool = False) -> Blob:
     """Parse, decompress and checksum-verify a blob (its values are unshuffled where they are used: hidden_on); any
-    damage raises BlobError."""
+    damage raises BlobError. `pinned` (CUDA only): the byte planes in page-locked memory, so that their copy to the
+    GPU is faster and leaves the host free to launch the step meanwhile (the trainer's read-ahead)."""
     metadata = read_metadata(data)
     chunk = metadata["chunk_id"]
     fp8 = metadata.get("codec") == "fp8"
@@ -339,7 +340,7 @@ def decode_blob(data: bytes) -> Blob:
         tensors = safetensors.numpy.load(bytes(data))
         stored = FP8 if fp8 else _DTYPES[metadata["dtype"]]
         planes_shape = (torch.empty(0, dtype=stored).element_size(), *json.loads(metadata["shape"]))
-        planes = _decompress(tensors["hidden_zstd"], planes_shape)
+        planes = _decompress(tensors["hidden_zstd"], planes_shape, pinned)
         others = [tensors[name] for name in ("input_ids", "loss_mask", "offsets", "sample_index")]
         scales = tensors["scales"] if fp8 else None
     except Exception as exc:

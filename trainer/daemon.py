@@ -122,7 +122,7 @@ class Trainer:
                                         live=self.ranks.consumers)
         self.unacked: list[Entry] = []
         self.upcoming: list[Entry] = []  # the next step's chunks, taken while this step trains (their blobs read ahead)
-        self.prefetch = Prefetcher(run.store, defaults.READ_AHEAD_THREADS)
+        self.prefetch = Prefetcher(run.store, defaults.READ_AHEAD_THREADS, pinned=self.device.type == "cuda")
         self.unacked_everywhere = 0  # over all ranks, as of the last step's offers
         self.duplicates: dict[int, int] = {}  # acknowledged since this rank's last offer
         self._store_order: tuple[int, list[str]] = (-1, [])  # retention `keep`: (epoch, its chunks in training order)

@@ -15,14 +15,14 @@ from dflashq.store import Store
 
 
 class Prefetcher:
-    def __init__(self, store: Store, threads: int):
-        self.store = store
+    def __init__(self, store: Store, threads: int, pinned: bool = False):
+        self.store, self.pinned = store, pinned
         self.threads = max(1, threads)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="blob-read")
         self.pending: dict[str, concurrent.futures.Future] = {}
 
     def _read(self, path: str) -> Blob:
-        return decode_blob(self.store.read(path))
+        return decode_blob(self.store.read(path), self.pinned)
 
     def ahead(self, paths: list[str]) -> None:
         """Start reading these blobs (a path already started is left as it is)."""
