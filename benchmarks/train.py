@@ -89,12 +89,12 @@ def batches(args, cfg, device, dtype, gen: torch.Generator):
             # varied keeps its first (longest) micro-batch, as its earlier figures did; chat any of them
             pick = int(torch.randint(len(groups), (1,), generator=gen)) if args.lengths == "chat" else 0
             lengths = [lengths[i] for i in groups[pick]]
-        b, t = len(lengths), max(lengths)
+        b, t, ends = len(lengths), max(lengths), torch.tensor(lengths)  # ends [b]
         prompts = torch.zeros(b, dtype=torch.long)  # [b]
         if args.lengths == "chat":
-            prompts = (torch.rand(b, generator=gen) * 0.5 * torch.tensor(lengths)).long()  # [b]
+            prompts = (torch.rand(b, generator=gen) * 0.5 * ends).long()  # [b]
         positions = torch.arange(t)[None]  # [1, T]
-        mask = ((positions >= prompts[:, None]) & (positions < torch.tensor(lengths)[:, None])).to(torch.uint8)  # [b, T]
+        mask = ((positions >= prompts[:, None]) & (positions < ends[:, None])).to(torch.uint8)  # [b, T]
         yield Batch(torch.randn(b, t, cfg.num_tapped * cfg.hidden_size, dtype=dtype, device=device),  # [b, T, K*H]
                     torch.randint(0, cfg.vocab_size, (b, t), device=device),  # [b, T]
                     mask.to(device)), lengths  # [b, T]

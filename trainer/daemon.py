@@ -239,12 +239,12 @@ class Trainer:
             random.Random(self.cfg.seed + epoch).shuffle(order)
             self._store_order = (epoch, order)
         done = set(self.state.consumed_in(epoch))
-        k, width = self.cfg.chunks_per_step, self.ranks.world_size * self.cfg.chunks_per_step
+        k, width, rank = self.cfg.chunks_per_step, self.ranks.world_size * self.cfg.chunks_per_step, self.ranks.rank
         pending = [c for c in self._store_order[1] if c not in done and c not in exclude][:width * steps]  # alike on every rank
-        mine = [[Entry("", chunk, self.run.store.blob_path(chunk, 0), epoch, 0)
-                 for chunk in pending[start + self.ranks.rank * k:start + (self.ranks.rank + 1) * k]]
-                for start in range(0, width * steps, width)]
-        return mine[0], [entry for step in mine[1:] for entry in step]
+        # only a full step has a step after it, so the first k of this rank's chunks are the next step's
+        mine = [Entry("", chunk, self.run.store.blob_path(chunk, 0), epoch, 0)
+                for start in range(0, len(pending), width) for chunk in pending[start + rank * k:start + (rank + 1) * k]]
+        return mine[:k], mine[k:]
 
     # --- training -------------------------------------------------------------------------------------------
     def _offer(self, held: list[Entry]) -> Offer:
