@@ -370,3 +370,32 @@ def test_the_next_steps_blobs_are_read_while_a_step_trains(tmp_path, redis_url, 
     trained = final_state(settings).consumed[0]
     assert sorted(trained) == sorted(set(trained)) == stream_chunk_ids(run.conn, run.keys, 0)
     assert_backlog_drained(run)
+
+
+def test_a_resumed_optimizer_keeps_the_live_machines_adamw_implementation():
+    # a checkpoint of a GPU trainer (fused AdamW) resumed where AdamW runs multi-tensor, and the other way round:
+    # the moments carry over, the implementation stays the one the resuming machine picked
+    from trainer.parallel import full_state, load_full_state
+    from trainer.ranks import Ranks
+    from trainer.step import build_optimizer
+
+    def trained(fused):
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    for saved_fused in (True, None):
+        model, optimizer = trained(saved_fused)
+        weights, state = full_state(model, optimizer)
+        live = torch.nn.Linear(4, 3)
+        live_optimizer, _ = build_optimizer(live.parameters(), 1e-2, 0.0, WarmupCosine(0.0, 10))
+        live_optimizer.param_groups[0]["fused"] = not saved_fused or None  # what the resuming machine chose
+        load_full_state(live, live_optimizer, Ranks(), weights, state)
+        assert live_optimizer.param_groups[0]["fused"] == (not saved_fused or None)
+        for p, q in zip(optimizer.param_groups[0]["params"], live_optimizer.param_groups[0]["params"]):
+            assert torch.equal(optimizer.state[p]["exp_avg_sq"], live_optimizer.state[q]["exp_avg_sq"])
+        live(torch.ones(2, 4)).sum().backward()
+        live_optimizer.step()  # the loaded state suits the implementation (fused keeps its step as a tensor)
+        assert float(live_optimizer.state[live.weight]["step"]) == 2.0

@@ -67,4 +67,8 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: R
     """Load full tensors (held by rank 0 at least) into the live, possibly sharded model and optimizer. Collective."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ranks.distributed)
     set_model_state_dict(model, weights, options=options)
+    if optimizer_state:  # AdamW's implementation is the live machine's (fused on a GPU), not the checkpoint's
+        optimizer_state = {**optimizer_state, "param_groups": [
+            {**saved, **{key: group[key] for key in ("fused", "foreach")}}
+            for saved, group in zip(optimizer_state["param_groups"], optimizer.param_groups)]}
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
