@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dflashq import settings as settings_module  # noqa: E402
@@ -168,10 +169,35 @@ def phase_up(work: Path, args, settings) -> dict:
     return {"curve": str(curve), "steps": len(steps), "tokens_extracted": tokens,
             "final_train_eal": steps[-1]["eal"] if steps else None, "final_loss": steps[-1]["loss"] if steps else None,
             "median_step_seconds": step_time_medians(steps),
+            **epoch_figures(steps),
             # which side bounds the run: each side's rate while busy, and where a worker's chunk time went
             "workers": {name: {k: w.get(k) for k in ("tokens_per_second", "busy_tokens_per_second", "seconds_per_chunk")}
                         for name, w in worker_progress(run).items()},
             "trainer_busy_tokens_per_second": [r.get("busy_tokens_per_second") for r in trainer_ranks(run)]}
+
+
+def epoch_figures(steps: list[dict]) -> dict:
+    """Per epoch: its wall time (last step's end to the last step's end before it; the first from its first step's
+    start), loss and training EAL over its last 50 steps; and what compiling cost the run: the steps whose compute
+    took over ten times the run's median step (a compilation takes seconds, a step tens of milliseconds), less that
+    median each. The whole run minus every step at the median, as train.py counts, would here also count the first
+    epoch's steps slowed by sharing the GPU with extraction and the spread of chunk contents."""
+    epochs = sorted({r["epoch"] for r in steps})
+    ends = [max(r["time"] for r in steps if r["epoch"] == e) for e in epochs]
+    timed = [r for r in steps if "seconds" in r]
+    starts = [timed[0]["time"] - sum(timed[0]["seconds"].values())] + ends[:-1]
+    median = float(np.median([r["seconds"]["compute"] for r in timed]))
+    compiling = [r for r in timed if r["seconds"]["compute"] > 10 * median]
+
+    def last_50(e, key):
+        return round(float(np.mean([r[key] for r in steps if r["epoch"] == e][-50:])), 3)
+
+    return {"wall_seconds_per_epoch": [round(end - start, 1) for start, end in zip(starts, ends)],
+            "train_loss_last_50_steps_per_epoch": [last_50(e, "loss") for e in epochs],
+            "train_eal_last_50_steps_per_epoch": [last_50(e, "eal") for e in epochs],
+            "compile_seconds": round(sum(r["seconds"]["compute"] - median for r in compiling), 1),
+            "compiling_steps": [{"step": r["step"], "epoch": r["epoch"], "seconds": round(r["seconds"]["compute"], 2)}
+                                for r in compiling]}
 
 
 def eval_prompt_sets(args) -> dict[str, list[str]]:

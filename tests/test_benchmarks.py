@@ -103,6 +103,9 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     assert report["regenerate"]["regenerated"] > 0 and report["regenerate"]["failed"] == 0
     assert report["up"]["steps"] > 0 and report["up"]["tokens_extracted"] > 0 and Path(report["up"]["curve"]).is_file()
     assert report["up"]["median_step_seconds"].keys() == {"between", "read", "compute"}
+    up = report["up"]  # --tiny: 2 epochs
+    assert len(up["wall_seconds_per_epoch"]) == len(up["train_eal_last_50_steps_per_epoch"]) == 2
+    assert all(s > 0 for s in up["wall_seconds_per_epoch"]) and all(e >= 1 for e in up["train_eal_last_50_steps_per_epoch"])
     assert [w["seconds_per_chunk"]["write"] > 0 for w in report["up"]["workers"].values()] == [True]  # --tiny: 1 worker
     assert all(rate > 0 for rate in report["up"]["trainer_busy_tokens_per_second"])
     for name in ("mt_bench", "humaneval"):
@@ -247,3 +250,22 @@ def test_tau_scaling_fit_recovers_a_known_power_law_and_its_goal(tmp_path):
         # at the newest fitted run's rate: 400 s for its 20 M trained tokens
         assert fitted["up_minutes_for_goal"] == pytest.approx(tokens * 400.0 / 20e6 / 60, rel=1e-2)
     assert (tmp_path / "tau.png").stat().st_size > 10_000
+
+
+def test_quality_counts_compiling_as_the_steps_far_above_the_median():
+    from benchmarks.quality import epoch_figures
+
+    # two epochs of 100 steps at 40 ms each, finishing one after the other; steps 1 and 3 compiled (5 s, 2 s) and
+    # step 150 was slow for another reason (60 ms): only the two compiling steps count, less the median each
+    steps, now = [], 1000.0
+    for n in range(1, 201):
+        compute = {1: 5.0, 3: 2.0, 150: 0.06}.get(n, 0.04)
+        now += compute + 0.01
+        steps.append({"step": n, "epoch": (n - 1) // 100, "loss": 5.0 - n / 100, "eal": 1 + n / 100, "time": now,
+                      "seconds": {"between": 0.0, "read": 0.01, "compute": compute}})
+    figures = epoch_figures(steps)
+    assert figures["compile_seconds"] == round(5.0 + 2.0 - 2 * 0.04, 1)
+    assert [s["step"] for s in figures["compiling_steps"]] == [1, 3]
+    assert figures["wall_seconds_per_epoch"] == [round(7.0 + 98 * 0.04 + 100 * 0.01, 1), round(0.06 + 99 * 0.04 + 1.0, 1)]
+    assert figures["train_eal_last_50_steps_per_epoch"] == [round(1 + sum(range(51, 101)) / 5000, 3),
+                                                            round(1 + sum(range(151, 201)) / 5000, 3)]
