@@ -182,11 +182,13 @@ def epoch_figures(steps: list[dict]) -> dict:
     took over ten times the run's median step (a compilation takes seconds, a step tens of milliseconds), less that
     median each. The whole run minus every step at the median, as train.py counts, would here also count the first
     epoch's steps slowed by sharing the GPU with extraction and the spread of chunk contents."""
+    from ops.report import step_time_medians
+
     epochs = sorted({r["epoch"] for r in steps})
     ends = [max(r["time"] for r in steps if r["epoch"] == e) for e in epochs]
     timed = [r for r in steps if "seconds" in r]
     starts = [timed[0]["time"] - sum(timed[0]["seconds"].values())] + ends[:-1]
-    median = float(np.median([r["seconds"]["compute"] for r in timed]))
+    median = step_time_medians(timed)["compute"]
     compiling = [r for r in timed if r["seconds"]["compute"] > 10 * median]
 
     def last_50(e, key):
