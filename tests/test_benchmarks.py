@@ -269,3 +269,30 @@ def test_quality_counts_compiling_as_the_steps_far_above_the_median():
     assert figures["wall_seconds_per_epoch"] == [round(7.0 + 98 * 0.04 + 100 * 0.01, 1), round(0.06 + 99 * 0.04 + 1.0, 1)]
     assert figures["train_eal_last_50_steps_per_epoch"] == [round(1 + sum(range(51, 101)) / 5000, 3),
                                                             round(1 + sum(range(151, 201)) / 5000, 3)]
+
+
+def test_quality_reads_sharegpt_parts_from_their_first_human_turn_and_cuts_long_chats_at_an_exchange(tmp_path):
+    from benchmarks.quality import sharegpt_records
+
+    def turn(who, n):
+        return {"from": who, "value": "x" * n}
+
+    objects = [
+        {"id": "a_0", "conversations": [turn("human", 10), turn("gpt", 10)]},  # kept whole
+        # a later part of a split chat: its opening reply answers a message of the part before, so it starts after it
+        {"id": "a_1", "conversations": [turn("gpt", 10), turn("human", 10), turn("gpt", 10)]},
+        # too long as a whole (100 characters): cut after the last exchange within it
+        {"id": "b_0", "conversations": [turn("human", 20), turn("gpt", 20), turn("human", 50), turn("gpt", 10)]},
+        {"id": "c_0", "conversations": [turn("human", 90), turn("gpt", 20)]},  # its first exchange alone is too long
+        {"id": "d_0", "conversations": [turn("gpt", 10)]},  # no exchange
+        # four exchanges: the fourth is dropped (max_turns 3)
+        {"id": "e_0", "conversations": [turn(w, 1) for _ in range(4) for w in ("human", "gpt")]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    text = "[\n" + ",\n".join(json.dumps(o) for o in objects) + ',\n{"id": "torn", "conversations": [{"fr'
+    path.write_text(text)
+    records = sharegpt_records(path, limit=100, max_chars=80, max_turns=3)
+    assert [(r["id"], [len(t["value"]) for t in r["conversations"]]) for r in records] == [
+        ("a_0", [10, 10]), ("a_1", [10, 10]), ("b_0", [20, 20]), ("e_0", [1] * 6)]
+    assert records[0] == objects[0] and records[1]["conversations"][0]["from"] == "human"
+    assert [r["id"] for r in sharegpt_records(path, limit=2, max_chars=80, max_turns=3)] == ["a_0", "a_1"]
