@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from trainer.anchors import gather_blocks, sample_anchors
 from trainer.attention_mask import dflash_mask_mod, flex_block_mask
-from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.drafter import DFlashDrafter, DrafterConfig, _layer_sizes
 from trainer.target_head import TargetHead
 
 HIDDEN, VOCAB, MASK, BLOCK, WINDOW = 64, 97, 96, 4, 6
@@ -45,20 +45,25 @@ def head() -> TargetHead:
     return TargetHead(torch.randn(VOCAB, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen))
 
 
-@pytest.fixture(scope="module")
-def batch():
-    """Three right-padded sequences of different lengths; garbage context states beyond each length."""
-    gen = torch.Generator().manual_seed(2)
-    seq_len = max(LENGTHS)
-    input_ids = torch.randint(0, MASK, (len(LENGTHS), seq_len), generator=gen)
-    loss_mask = torch.zeros(len(LENGTHS), seq_len, dtype=torch.long)
-    for row, length in enumerate(LENGTHS):
+def micro_batch(lengths, seed: int):
+    """Right-padded sequences of these lengths; garbage context states beyond each length."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = max(lengths)
+    input_ids = torch.randint(0, MASK, (len(lengths), seq_len), generator=gen)
+    loss_mask = torch.zeros(len(lengths), seq_len, dtype=torch.long)
+    for row, length in enumerate(lengths):
         loss_mask[row, 3:length] = 1
     loss_mask[0, 10] = 0  # a hole: positions 9 and 10 are no anchors
-    context = torch.randn(len(LENGTHS), seq_len, 2 * HIDDEN, generator=gen)
+    context = torch.randn(len(lengths), seq_len, 2 * HIDDEN, generator=gen)
     anchors, valid = sample_anchors(loss_mask, 7, gen)
     block_ids, _, _ = gather_blocks(input_ids, loss_mask, anchors, valid, BLOCK, MASK)
     return context, block_ids, anchors, valid
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Three sequences of different lengths."""
+    return micro_batch(LENGTHS, 2)
 
 
 # ---- the slow reference: one query slot at a time, keys chosen by reading the rule literally ----
@@ -363,14 +368,10 @@ def test_autocast_training_forward_computes_what_the_served_bf16_drafter_does(he
     torch.testing.assert_close(trained, reference, rtol=0, atol=0)
 
 
-def test_compiled_layer_computes_what_the_eager_layer_does(head, batch):
-    """Flex training on the GPU runs each decoder layer as one compiled region (trainer.drafter.run_layer). CI has no
-    GPU; the same compiled region runs here on the CPU, forward only (CPU flex_attention has no backward)."""
-    from trainer.drafter import rope_cos_sin, run_layer
-    from trainer.fused import compiled
+def layer_args(drafter, head, context, block_ids, anchors) -> tuple:
+    """run_layer's arguments for the drafter's first layer, as DFlashDrafter.forward builds them."""
+    from trainer.drafter import rope_cos_sin
 
-    context, block_ids, anchors, _ = batch
-    drafter = make_drafter([FULL])
     cfg = drafter.config
     x = head.embed(block_ids).flatten(1, 2)  # [b, Q, H]
     hidden = drafter.hidden_norm(drafter.fc(context))  # [b, T, H]
@@ -379,6 +380,56 @@ def test_compiled_layer_computes_what_the_eager_layer_does(head, batch):
     rope_context = rope_cos_sin(torch.arange(context.shape[1]), cfg.head_dim, cfg.rope_theta)  # [T, D] x2
     mask = flex_block_mask(dflash_mask_mod(anchors, BLOCK, context.shape[1], None), anchors, BLOCK,
                            context.shape[1], None)
-    args = (drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask)
+    return drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask
+
+
+def test_compiled_layer_computes_what_the_eager_layer_does(head, batch):
+    """Flex training on the GPU runs each decoder layer as one compiled region (trainer.drafter.run_layer). CI has no
+    GPU; the same compiled region runs here on the CPU, forward only (CPU flex_attention has no backward)."""
+    from trainer.drafter import run_layer
+    from trainer.fused import compiled
+
+    context, block_ids, anchors, _ = batch
+    args = layer_args(make_drafter([FULL]), head, context, block_ids, anchors)
     with torch.no_grad():
         torch.testing.assert_close(compiled(run_layer)(*args), run_layer(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_regions_compile_once_for_a_runs_changing_rows_and_lengths(head):
+    """A run's micro-batches change their rows and context length (and with it the key tiles) from one to the next;
+    marked dynamic up front, the layer region, the norm and the loss chunk each compile once (Dynamo alone compiles
+    static first, then again at each first change: 11 recompiles, 75 s in a real run on an H200). Counted with
+    a counting backend: the CPU's Inductor fails to build flex_attention with symbolic sizes (torch 2.13), and the
+    graphs Dynamo captures are what decides the compilations."""
+    from trainer.drafter import _leading_sizes, rms_norm, run_layer
+    from trainer.fused import mark_varying
+    from trainer.loss import _chunk_sizes, _chunk_terms
+
+    drafter = make_drafter([FULL])
+    gen = torch.Generator().manual_seed(3)
+    # rows 3, 2, 4; context 140, 240, 290 positions (2-3 key tiles of 128 with the 28 block slots: a size of 1 would
+    # be a constant anyway, as no real run has); loss chunks of 5, 9 rows
+    # (logits in the head's dtype, bf16: in fp32 the gradient would be built in the logits themselves)
+    cases = [(run_layer, _layer_sizes, layer_args(drafter, head, *micro_batch(lengths, seed)[:3]))
+             for seed, lengths in enumerate([(140, 33, 20), (240, 12), (25, 290, 30, 44)])]
+    cases += [(rms_norm, _leading_sizes, (torch.randn(rows, length, HIDDEN, generator=gen), torch.ones(HIDDEN), 1e-6))
+              for rows, length in [(3, 40), (2, 150), (4, 28)]]
+    cases += [(_chunk_terms, _chunk_sizes, (torch.randn(rows, VOCAB, generator=gen).bfloat16(), torch.randint(0, VOCAB, (rows,)),
+                                            torch.rand(rows), True)) for rows in (5, 9)]
+    for marked in (False, True):
+        torch._dynamo.reset()
+        graphs = []
+
+        def count(graph, example_inputs):  # a Dynamo backend that runs the captured graph as it is, counted
+            graphs.append(graph)
+            return graph.forward
+
+        with torch.no_grad():
+            for fn, sizes, args in cases:
+                ints = mark_varying(sizes, args) if marked else []
+                with torch.compiler.config.patch(dynamic_sources=",".join(ints)):
+                    got = torch.compile(fn, backend=count)(*args)
+                for g, want in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(fn(*args))):
+                    torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+        # unmarked: each region once static, then again when its sizes first change (here all at once)
+        assert len(graphs) == (3 if marked else 3 + 3), marked

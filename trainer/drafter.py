@@ -11,6 +11,7 @@ frozen embed_tokens / lm_head live in a TargetHead passed to each call.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -133,7 +134,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return fused(rms_norm, x, torch.is_grad_enabled())(x, self.weight, self.eps)  # [..., size]
+        return fused(rms_norm, x, torch.is_grad_enabled(), _leading_sizes)(x, self.weight, self.eps)  # [..., size]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -143,6 +144,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x32 = x.float()  # [..., size]
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., size]
     return weight.to(x.dtype) * normed.to(x.dtype)  # [..., size]
+
+
+def _leading_sizes(x: Tensor, *rest):
+    # rows and sequence length change from call to call (the context's and the blocks'); the hidden size not
+    return [(x, range(x.dim() - 1))]
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -261,6 +267,17 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # [b, Q, H]
 
 
+def _layer_sizes(layer, x, context, rope_block, rope_context, mask: BlockMask):
+    # rows and the context length T, and with T the key tiles, change from one micro-batch to the next; the query
+    # length N*B (and its tiles) stays a constant of flex's kernel: symbolic, it halved the kernel's speed (_flex)
+    return [(x, [0]), (context, [0, 1]), *((t, [0]) for t in rope_block), *((t, [0]) for t in rope_context),
+            ("L['mask'].seq_lengths[1]", ()),  # T + N*B, read by flex_attention's length check
+            (mask.kv_num_blocks, [0]), (mask.full_kv_num_blocks, [0]),
+            (mask.kv_indices, [0, 3]), (mask.full_kv_indices, [0, 3]),
+            *((t, [0, 2]) for t in (mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)),
+            (inspect.getclosurevars(mask.mask_mod).nonlocals["anchors"], [0])]  # [b, N], read by the mask rule
+
+
 def uses_flex(attention: Attention, x: Tensor) -> bool:
     """Whether a forward over `x` runs flex attention: asked for, or "auto" on the GPU."""
     return attention == "flex" or (attention == "auto" and x.is_cuda)
@@ -323,7 +340,8 @@ class DFlashDrafter(nn.Module):
         for layer, layer_type in zip(self.layers, cfg.layer_types):
             # FSDP2 layers (train.parallel = "fsdp") stay eager: their all-gather hooks inside the compiled region have
             # not been run on a GPU
-            run = fused(run_layer, x, torch.is_grad_enabled() and use_flex and not isinstance(layer, FSDPModule))
+            run = fused(run_layer, x, torch.is_grad_enabled() and use_flex and not isinstance(layer, FSDPModule),
+                        _layer_sizes)
             x = run(layer, x, context, rope_block, rope_context, masks[layer_type])  # [b, Q, H]
         return self.norm(x).view(b, num_blocks, block_size, -1)  # [b, N, B, H]
 

@@ -7,8 +7,9 @@ Inference keeps the eager code: `draft` sees a new context length every call, an
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -23,12 +24,40 @@ _OPTIONS = ({"triton.mix_order_reduction_non_strict_mode": True}
             if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode") else {})
 
 
+# (tensor, its dims that change between calls), or (the Dynamo source name of an int argument, ())
+Varying = Callable[..., Iterable[tuple[Tensor | str | None, Sequence[int]]]]
+
+
 @functools.cache
-def compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, options=_OPTIONS)
+def compiled(fn: Callable, varying: Varying | None = None) -> Callable:
+    region = torch.compile(fn, options=_OPTIONS)
+    if varying is None:
+        return region
+
+    def call(*args):
+        ints = mark_varying(varying, args)
+        with torch.compiler.config.patch(dynamic_sources=",".join(ints)) if ints else contextlib.nullcontext():
+            return region(*args)
+
+    return call
 
 
-def fused(fn: Callable, x: Tensor, training: bool) -> Callable:
-    """`fn` itself, or compiled when it runs on the GPU in training (x: a tensor it reads); inside a region being
-    compiled (a drafter layer) `fn` itself, which that region's compilation takes in."""
-    return compiled(fn) if x.is_cuda and training and not torch.compiler.is_compiling() else fn
+def mark_varying(varying: Varying, args: tuple) -> list[str]:
+    """Dynamo compiles a region static first, then again each time a size first changes (automatic dynamic shapes):
+    a real run's log showed 11 recompiles, 75 s. Sizes that change from one micro-batch to the next (rows, context
+    length), marked dynamic before the first call, are symbolic from the first compilation: tensors' dims here, and
+    the ints returned, for torch.compiler.config.dynamic_sources while the region compiles (where torch has it)."""
+    ints = []
+    for value, dims in varying(*args):
+        if isinstance(value, Tensor):
+            torch._dynamo.maybe_mark_dynamic(value, list(dims))
+        elif isinstance(value, str) and hasattr(torch.compiler.config, "dynamic_sources"):
+            ints.append(value)
+    return ints
+
+
+def fused(fn: Callable, x: Tensor, training: bool, varying: Varying | None = None) -> Callable:
+    """`fn` itself, or compiled when it runs on the GPU in training (x: a tensor it reads; varying(*args): the
+    arguments' sizes that change between calls, as (tensor, dims) pairs); inside a region being compiled (a drafter
+    layer) `fn` itself, which that region's compilation takes in."""
+    return compiled(fn, varying) if x.is_cuda and training and not torch.compiler.is_compiling() else fn

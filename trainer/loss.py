@@ -81,6 +81,10 @@ def _chunk_terms(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool
     return loss, correct, grad.to(logits.dtype)  # [], [r], [r, V]
 
 
+def _chunk_sizes(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool):
+    return [(logits, [0]), (targets, [0]), (scale, [0])]  # the last chunk's rows differ
+
+
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """sum_r scale_r * CE(hidden_r @ lm_head.T, target_r) with the gradient w.r.t. hidden computed chunk by chunk
     during the forward: the head is frozen, so this costs two head matmuls (no recomputation in backward) and
@@ -92,7 +96,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             raise ValueError("the target LM head must be frozen (requires_grad=False): its gradient is not computed")
         need_grad = ctx.needs_input_grad[0]
         weight = lm_head.to(hidden.dtype)  # [V, H]
-        terms = fused(_chunk_terms, hidden, need_grad)
+        terms = fused(_chunk_terms, hidden, need_grad, _chunk_sizes)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)  # []
         correct = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)  # [R]
         grad_hidden = torch.empty_like(hidden) if need_grad else None  # [R, H]
