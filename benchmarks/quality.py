@@ -365,8 +365,8 @@ def main() -> None:
     parser.add_argument("--regenerated", default=None,
                         help="an earlier run's regenerate output (.jsonl or .jsonl.gz) for the same prompts: its "
                              "records count as done (e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz "
-                             "for --conversations 3000 --response-tokens 256, or ...-10077.jsonl.gz: the first 10,077 that fit "
-                             "before split chats' later parts were read too, which the rest then adds to)")
+                             "for --conversations 3000 --response-tokens 256, or ...-16965.jsonl.gz for all that fit, "
+                             "--response-tokens 256)")
     parser.add_argument("--stop-after", choices=PHASES, default=None,
                         help="end after this phase; a later run goes on from the next (e.g. the eval on another machine)")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
