@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.host import cpu  # noqa: E402
 from dflashq import settings as settings_module  # noqa: E402
 
 PHASES = ("model", "prompts", "regenerate", "up", "eval")
@@ -406,7 +407,7 @@ def main() -> None:
         if phase == args.stop_after:
             break
     print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
-                      **state}))
+                      "cpu": cpu(), **state}))
 
 
 if __name__ == "__main__":

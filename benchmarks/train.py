@@ -28,12 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 from torch.distributed.launcher.api import elastic_launch  # noqa: E402
 
 from benchmarks.extract import QWEN36_27B, TINY, matmul_tflops, print_profile, sync  # noqa: E402
+from benchmarks.host import cpu  # noqa: E402
 from dflashq.chunk import micro_batches  # noqa: E402
 from ops.launch import launch_config  # noqa: E402
-from trainer import parallel  # noqa: E402
+from trainer import fused, parallel  # noqa: E402
 from trainer.anchors import sample_anchors  # noqa: E402
 from trainer.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from trainer.ranks import Ranks  # noqa: E402
@@ -115,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
     parser.add_argument("--profile", action="store_true", help="also print the top operators of one step")
+    parser.add_argument("--automatic-dynamic", action="store_true",
+                        help="leave the sizes that change to Dynamo's automatic dynamic shapes, as the trainer did "
+                             "before it marked them (trainer.fused.mark_varying): the A/B of that marking")
     parser.add_argument("--ranks", type=int, default=None,
                         help="data-parallel (DDP) on N ranks through torch's launcher, after one rank alone")
     args = parser.parse_args(argv)
@@ -130,6 +135,8 @@ def bench_device(args: argparse.Namespace, ranks: Ranks) -> torch.device:
 def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
     """The benchmark on this process's device: one rank, or this rank of a DDP group it has joined."""
     device = bench_device(args, ranks)
+    if args.automatic_dynamic:  # the compiled regions then mark nothing: each compiles static, then again per change
+        fused.mark_varying = lambda varying, call_args: []
     target, layer_types = (TINY, None) if args.tiny else SHAPES[args.shape]
     layout = {"layer_types": layer_types} if layer_types else {}
     cfg = DrafterConfig.default_for_target(target, num_layers=5, mask_token_id=target["vocab_size"] - 1, **layout)
@@ -171,7 +178,7 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
         "benchmark": "train",
         "shape": "tiny" if args.tiny else args.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
+        "cpu": cpu(), "torch": torch.__version__, "automatic_dynamic": args.automatic_dynamic,
         "drafter_params_b": round(sum(p.numel() for p in drafter.parameters()) / 1e9, 3),
         "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "block": cfg.block_size,
         "heads": [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim], "layer_types": cfg.layer_types,
@@ -179,6 +186,8 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
         "warmup_seconds": round(sum(times[:args.warmup_steps]), 1),
         # whole run (warm-up included) minus every step at the steady median: what compiling cost
         "compile_seconds": round(sum(times) - len(times) * median, 1),
+        # graphs Dynamo captured in this process: each compiled region once, plus its recompilations
+        "graphs_compiled": counters["stats"]["unique_graphs"],
         "step_ms": round(1000 * seconds / args.steps, 1),
         "median_step_ms": round(1000 * median, 1),
         "samples_per_s": round(sum(samples[args.warmup_steps:]) / seconds, 3),

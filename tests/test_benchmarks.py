@@ -72,10 +72,15 @@ def test_train_benchmark_steps():
     assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])
     # both rates over the timed steps only (the warm-up step, which compiles on a GPU, left out)
     assert report["tokens_per_s"] == pytest.approx(report["seq_len"] * report["samples_per_s"], rel=1e-3)
+    assert report["cpu"]["model"] and report["cpu"]["cores"] >= 1 and not report["automatic_dynamic"]
+    # on the CPU no region is compiled (trainer.fused: GPU training only), with or without the marking
+    assert report["graphs_compiled"] == 0
 
 
 def test_train_benchmark_chat_lengths_leave_prompts_out_of_the_loss():
-    report, _ = bench("train.py", "--tiny", "--lengths", "chat", "--steps", "3", "--warmup-steps", "0")
+    report, _ = bench("train.py", "--tiny", "--lengths", "chat", "--steps", "3", "--warmup-steps", "0",
+                      "--automatic-dynamic")
+    assert report["automatic_dynamic"]
     assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])
     # supervised tokens per sample: under the longest sample, as the unsupervised prompts and shorter samples take
     assert 0 < report["tokens_per_s"] < report["seq_len"] * report["samples_per_s"]
