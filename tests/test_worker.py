@@ -184,6 +184,26 @@ def test_sigkill_mid_chunk_loses_and_duplicates_nothing(tmp_path, redis_url, tin
     assert not conn.exists(victim_key) or conn.hexists(victim_key, "death")
 
 
+def test_a_warm_shutdown_does_not_wait_a_minute_for_the_command_listener(tmp_path, redis_url, tiny_qwen35):
+    """RQ's listener for worker commands, once it has seen its unsubscription, waits up to its sleep time for a new
+    subscription, and redis-py 8 waits for the listener when RQ stops it at shutdown: with RQ's 60 s, a SIGTERMed
+    worker outlived test_sigkill_mid_chunk_loses_and_duplicates_nothing's 60 s wait in 1 run of 6. Here that order
+    of events is forced: the listener sees the unsubscription first, then RQ's teardown stops it."""
+    from workers.worker import ExtractionWorker
+
+    run = Run.open(settings_for(tmp_path, redis_url, tiny_qwen35), data_fingerprint="0" * 12)
+    worker = ExtractionWorker(run, f"{HOST}.cpu7", "cpu")
+    worker.subscribe()
+    worker.pubsub.unsubscribe()
+    deadline = time.monotonic() + 10
+    while worker.pubsub.subscribed:  # the listener thread reads the confirmation
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    started = time.monotonic()
+    worker.unsubscribe()  # what RQ's teardown does
+    assert time.monotonic() - started < 5 and not worker.pubsub_thread.is_alive()
+
+
 def test_heartbeats_keep_a_long_chunk_alive_beyond_worker_ttl(tmp_path, redis_url, tiny_qwen35):
     """Chunks that take longer than worker_ttl are not declared abandoned while another worker watches."""
     settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"workers.worker_ttl": 2, "workers.heartbeat_seconds": 0.5,

@@ -80,6 +80,15 @@ class ExtractionWorker(SimpleWorker):
         kwargs.setdefault("with_scheduler", False)
         return super().work(**kwargs)
 
+    def subscribe(self):
+        # RQ's own, with a 1 s wait instead of 60: once unsubscribed at shutdown, its listener thread waits that long
+        # for a subscription, and redis-py 8's PubSubWorkerThread.stop() waits for the thread: a warm shutdown took
+        # 60 s whenever the listener saw its unsubscription before the stop (tests/test_worker.py, 1 run in 6)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=1, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
+
     def teardown(self):
         # Blobs already handed to the writer are written and announced before the worker deregisters.
         if self.extractor is not None:
