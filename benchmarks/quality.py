@@ -55,9 +55,9 @@ def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | No
 
     ShareGPT splits long chats into parts, and 6,401 of its 17,671 readable objects open with the assistant,
     answering a message of the part before: such a part starts at its first human turn (the earlier runs skipped
-    them: 10,077 conversations; with them 16,965 at 3 exchanges and 8,192 characters). The cuts bound regeneration's wall
-    time: turn k of every conversation waits for turn k - 1, so one 26-turn chat keeps the engine on ever smaller
-    batches for 26 rounds of max_new_tokens decode steps."""
+    them: 10,077 conversations; with them 16,965 at 3 exchanges and 8,192 characters). The cuts bound regeneration's
+    wall time: turn k of every conversation waits for turn k - 1, so one 26-turn chat keeps the engine on ever
+    smaller batches for 26 rounds of max_new_tokens decode steps."""
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     records, at = [], text.index("[") + 1

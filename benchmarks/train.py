@@ -19,6 +19,7 @@ Usage: python benchmarks/train.py [--tiny] [--shape qwen3-8b] [--steps 20] [--le
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -119,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="also print the top operators of one step")
     parser.add_argument("--automatic-dynamic", action="store_true",
                         help="leave the sizes that change to Dynamo's automatic dynamic shapes, as the trainer did "
-                             "before it marked them (trainer.fused.mark_varying): the A/B of that marking")
+                             "before it marked them (trainer.fused.varying_sizes): the A/B of that marking")
     parser.add_argument("--ranks", type=int, default=None,
                         help="data-parallel (DDP) on N ranks through torch's launcher, after one rank alone")
     args = parser.parse_args(argv)
@@ -136,7 +137,7 @@ def measure(args: argparse.Namespace, ranks: Ranks = Ranks()) -> dict:
     """The benchmark on this process's device: one rank, or this rank of a DDP group it has joined."""
     device = bench_device(args, ranks)
     if args.automatic_dynamic:  # the compiled regions then mark nothing: each compiles static, then again per change
-        fused.mark_varying = lambda varying, call_args: []
+        fused.varying_sizes = lambda varying, call_args: contextlib.nullcontext()
     target, layer_types = (TINY, None) if args.tiny else SHAPES[args.shape]
     layout = {"layer_types": layer_types} if layer_types else {}
     cfg = DrafterConfig.default_for_target(target, num_layers=5, mask_token_id=target["vocab_size"] - 1, **layout)

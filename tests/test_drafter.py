@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -402,7 +404,7 @@ def test_compiled_regions_compile_once_for_a_runs_changing_rows_and_lengths(head
     a counting backend: the CPU's Inductor fails to build flex_attention with symbolic sizes (torch 2.13), and the
     graphs Dynamo captures are what decides the compilations."""
     from trainer.drafter import _leading_sizes, rms_norm, run_layer
-    from trainer.fused import mark_varying
+    from trainer.fused import varying_sizes
     from trainer.loss import _chunk_sizes, _chunk_terms
 
     drafter = make_drafter([FULL])
@@ -414,8 +416,9 @@ def test_compiled_regions_compile_once_for_a_runs_changing_rows_and_lengths(head
              for seed, lengths in enumerate([(140, 33, 20), (240, 12), (25, 290, 30, 44)])]
     cases += [(rms_norm, _leading_sizes, (torch.randn(rows, length, HIDDEN, generator=gen), torch.ones(HIDDEN), 1e-6))
               for rows, length in [(3, 40), (2, 150), (4, 28)]]
-    cases += [(_chunk_terms, _chunk_sizes, (torch.randn(rows, VOCAB, generator=gen).bfloat16(), torch.randint(0, VOCAB, (rows,)),
-                                            torch.rand(rows), True)) for rows in (5, 9)]
+    cases += [(_chunk_terms, _chunk_sizes, (torch.randn(rows, VOCAB, generator=gen).bfloat16(),
+                                            torch.randint(0, VOCAB, (rows,)), torch.rand(rows), True))
+              for rows in (5, 9)]
     for marked in (False, True):
         torch._dynamo.reset()
         graphs = []
@@ -426,8 +429,7 @@ def test_compiled_regions_compile_once_for_a_runs_changing_rows_and_lengths(head
 
         with torch.no_grad():
             for fn, sizes, args in cases:
-                ints = mark_varying(sizes, args) if marked else []
-                with torch.compiler.config.patch(dynamic_sources=",".join(ints)):
+                with varying_sizes(sizes, args) if marked else contextlib.nullcontext():
                     got = torch.compile(fn, backend=count)(*args)
                 for g, want in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(fn(*args))):
                     torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)

@@ -35,25 +35,26 @@ def compiled(fn: Callable, varying: Varying | None = None) -> Callable:
         return region
 
     def call(*args):
-        ints = mark_varying(varying, args)
-        with torch.compiler.config.patch(dynamic_sources=",".join(ints)) if ints else contextlib.nullcontext():
+        with varying_sizes(varying, args):
             return region(*args)
 
     return call
 
 
-def mark_varying(varying: Varying, args: tuple) -> list[str]:
+@contextlib.contextmanager
+def varying_sizes(varying: Varying, args: tuple):
     """Dynamo compiles a region static first, then again each time a size first changes (automatic dynamic shapes):
     a real run's log showed 11 recompiles, 75 s. Sizes that change from one micro-batch to the next (rows, context
-    length), marked dynamic before the first call, are symbolic from the first compilation: tensors' dims here, and
-    the ints returned, for torch.compiler.config.dynamic_sources while the region compiles (where torch has it)."""
+    length), marked dynamic before the first call, are symbolic from the first compilation: tensors' dims marked here,
+    ints named in torch.compiler.config.dynamic_sources while the region runs (where torch has it)."""
     ints = []
     for value, dims in varying(*args):
         if isinstance(value, Tensor):
             torch._dynamo.maybe_mark_dynamic(value, list(dims))
         elif isinstance(value, str) and hasattr(torch.compiler.config, "dynamic_sources"):
             ints.append(value)
-    return ints
+    with torch.compiler.config.patch(dynamic_sources=",".join(ints)) if ints else contextlib.nullcontext():
+        yield
 
 
 def fused(fn: Callable, x: Tensor, training: bool, varying: Varying | None = None) -> Callable:
