@@ -353,7 +353,9 @@ def main() -> None:
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")
     parser.add_argument("--retention", choices=["keep", "delete"], default="keep",
                         help="store.retention: keep extracts once and trains later epochs from the store")
-    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="train.micro_batch_tokens")
+    # 4x the chunk: each chunk is one micro-batch (2026-12-05, same host: 11% faster steps, and EAL 1.58 against
+    # 1.45 after 2 epochs, the chunk's loss no longer a mean of unequal micro-batches' means)
+    parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
     parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [CPU cores - 2 up to 12 on a GPU, else 1]")
