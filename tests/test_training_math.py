@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from trainer.anchors import gather_blocks, sample_anchors
+from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loss import decay_weights, default_gamma, dflash_loss, expected_acceptance_length
+from trainer.step import Batch, Blocks, backward, collate, draw_blocks, loss_shares
+from trainer.target_head import TargetHead
 
 
 def test_anchors_are_sorted_distinct_supervised_pairs_padded_at_the_end():
@@ -130,3 +133,41 @@ def test_a_trainable_lm_head_is_refused():
     states, lm_head, targets, slot_valid = make_loss_inputs()
     with pytest.raises(ValueError, match="frozen"):
         dflash_loss(states, lm_head.requires_grad_(), targets, slot_valid)
+
+
+def test_a_chunk_split_into_micro_batches_trains_as_one_batch():
+    """Weighed by their shares of the chunk's blocks (trainer.step.loss_shares), the micro-batches' losses and
+    gradients add up to those of the chunk as one batch; their plain mean, which the trainer took before, does not."""
+    target = {"hidden_size": 32, "num_hidden_layers": 4, "vocab_size": 61, "intermediate_size": 48,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+    config = DrafterConfig.default_for_target(target, num_layers=1, layer_ids=[1], mask_token_id=60, block_size=4)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    gen = torch.Generator().manual_seed(3)
+    head = TargetHead(torch.randn(61, 32, generator=gen), torch.randn(61, 32, generator=gen))
+    lengths = [40, 9, 6]  # one long sample and two short ones, as a chunk's first and last micro-batches hold
+    samples = [(torch.randn(n, 1, 32, generator=gen), torch.randint(0, 60, (n,), generator=gen),
+                (torch.arange(n) >= 2).to(torch.uint8)) for n in lengths]
+    whole = collate(samples, "cpu")
+    drawn = draw_blocks(config, whole, 12, torch.Generator().manual_seed(5), "sdpa")
+
+    def gradients(parts: list[tuple[Batch, Blocks]], shares) -> tuple[float, list[torch.Tensor]]:
+        drafter.zero_grad()
+        loss = 0.0
+        for (batch, blocks), share in zip(parts, shares):
+            loss += float(share) * float(backward(drafter, config, head, batch, blocks, loss_chunk_rows=64,
+                                                  scale=share, attention="sdpa").loss.detach())
+        return loss, [p.grad.clone() for p in drafter.parameters()]
+
+    one_loss, one_grads = gradients([(whole, drawn)], [1.0])
+    rows = [(collate([sample], "cpu"),  # each sample a micro-batch of its own, with the blocks drawn for it above
+             Blocks(*(t[i:i + 1] for t in (drawn.anchors, drawn.block_ids, drawn.targets, drawn.slot_valid))))
+            for i, sample in enumerate(samples)]
+    shares = loss_shares([blocks for _, blocks in rows])
+    split_loss, split_grads = gradients(rows, shares)
+    assert split_loss == pytest.approx(one_loss, rel=1e-5)
+    for split, one in zip(split_grads, one_grads):
+        torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-4)
+    assert shares[0] > 0.6  # the long sample holds most of the chunk's blocks
+    _, mean_grads = gradients(rows, [1 / 3] * 3)
+    assert not all(torch.allclose(mean, one, atol=1e-6, rtol=1e-2) for mean, one in zip(mean_grads, one_grads))

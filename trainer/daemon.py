@@ -47,7 +47,8 @@ from trainer.loss import expected_acceptance_length
 from trainer.mask_token import resolve_mask_token
 from trainer.prefetch import Prefetcher
 from trainer.ranks import Ranks
-from trainer.step import WarmupCosine, backward, build_optimizer, collate, empty_batch, optimizer_step
+from trainer.step import (WarmupCosine, backward, build_optimizer, collate, draw_blocks, empty_batch, loss_shares,
+                          optimizer_step)
 from trainer.target_head import TargetHead
 
 
@@ -267,10 +268,11 @@ class Trainer:
         slots = self.drafter.config.block_size - 1
         losses, correct, count, tokens = [], torch.zeros(slots), torch.zeros(slots), 0
         if not held:
+            empty = empty_batch(self.drafter.config, self.device)
             with parallel.gradient_sync(self.model, True):
-                backward(self.model, self.drafter.config, self.head, empty_batch(self.drafter.config, self.device),
-                         num_anchors=self.cfg.num_anchors, loss_chunk_rows=self.cfg.loss_chunk_rows,
-                         attention=self.cfg.attention)
+                backward(self.model, self.drafter.config, self.head, empty,
+                         draw_blocks(self.drafter.config, empty, self.cfg.num_anchors, attention=self.cfg.attention),
+                         loss_chunk_rows=self.cfg.loss_chunk_rows, attention=self.cfg.attention)
         for i, entry in enumerate(held):
             loss, chunk_correct, chunk_count, chunk_tokens = self._train_chunk(entry, scale, i == len(held) - 1)
             losses.append(loss)
@@ -284,9 +286,9 @@ class Trainer:
         return RankStats(losses, correct.tolist(), count.tolist(), tokens), lr, grad_norm
 
     def _train_chunk(self, entry: Entry, scale: float, last: bool) -> tuple[float, torch.Tensor, torch.Tensor, int]:
-        """Forward and backward of one chunk's micro-batches, the chunk's loss (their mean) scaled by `scale`; only
-        the step's last backward (`last`: of its last chunk) communicates. Returns loss, correct and valid rows per
-        slot [B-1], tokens."""
+        """Forward and backward of one chunk's micro-batches, the chunk's loss (each micro-batch's weighed by its
+        share of the chunk's blocks, trainer.step.loss_shares) scaled by `scale`; only the step's last backward
+        (`last`: of its last chunk) communicates. Returns loss, correct and valid rows per slot [B-1], tokens."""
         read_started = time.perf_counter()
         try:  # on the training device: an fp8 blob crosses as 1-byte values and is dequantized there
             samples = list(self.prefetch.get(entry.path).samples(self.device))
@@ -296,19 +298,25 @@ class Trainer:
         self.timing["read"] += time.perf_counter() - read_started
         lengths = [int(ids.shape[0]) for _, ids, _ in samples]
         groups = micro_batches(lengths, self.cfg.micro_batch_tokens)
-        generator = chunk_generator(self.cfg.seed, entry.epoch, entry.chunk, self.device)
-        loss, correct, count = 0.0, 0, 0
-        for j, group in enumerate(groups):
-            try:
+        loss, correct, count, j = 0.0, 0, 0, 0
+        try:
+            batches = [collate([samples[n] for n in group], self.device) for group in groups]
+            del samples  # the padded micro-batches hold the chunk now
+            # every micro-batch's blocks before the first backward: each one's share of the chunk's loss needs them all
+            generator = chunk_generator(self.cfg.seed, entry.epoch, entry.chunk, self.device)
+            drawn = [draw_blocks(self.drafter.config, batch, self.cfg.num_anchors, generator, self.cfg.attention)
+                     for batch in batches]
+            shares = loss_shares(drawn)  # [M]
+            for j, (batch, blocks) in enumerate(zip(batches, drawn)):
                 with parallel.gradient_sync(self.model, last and j == len(groups) - 1):
-                    out = backward(self.model, self.drafter.config, self.head,
-                                   collate([samples[n] for n in group], self.device), num_anchors=self.cfg.num_anchors,
-                                   loss_chunk_rows=self.cfg.loss_chunk_rows, generator=generator,
-                                   scale=scale / len(groups), attention=self.cfg.attention)
-            except torch.OutOfMemoryError:
-                raise self._out_of_memory(entry, len(group), max(lengths[n] for n in group) * len(group)) from None
-            loss += float(out.loss.detach()) / len(groups)
-            correct, count = correct + out.correct.detach().cpu(), count + out.count.detach().cpu()
+                    out = backward(self.model, self.drafter.config, self.head, batch, blocks,
+                                   loss_chunk_rows=self.cfg.loss_chunk_rows, scale=scale * shares[j],
+                                   attention=self.cfg.attention)
+                loss += float(out.loss.detach() * shares[j])
+                correct, count = correct + out.correct.detach().cpu(), count + out.count.detach().cpu()
+        except torch.OutOfMemoryError:
+            group = groups[j]
+            raise self._out_of_memory(entry, len(group), max(lengths[n] for n in group) * len(group)) from None
         return loss, correct, count, sum(lengths)
 
     def _out_of_memory(self, entry: Entry, samples: int, padded_tokens: int) -> ConfigError:

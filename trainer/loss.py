@@ -29,6 +29,11 @@ def expected_acceptance_length(acc: Tensor) -> Tensor:
     return 1.0 + acc.cumprod(0).sum()  # []
 
 
+def loss_weight(slot_valid: Tensor, gamma: float | None = None) -> Tensor:
+    """The loss's denominator: the decay weights of the valid slots, summed. slot_valid [b, N, B] -> [] fp32."""
+    return (slot_valid * decay_weights(slot_valid.shape[-1], gamma, slot_valid.device)).sum()  # []
+
+
 @dataclasses.dataclass
 class DFlashLoss:
     loss: Tensor  # [] differentiable
@@ -52,7 +57,7 @@ def dflash_loss(
     weights = decay_weights(block_size, gamma, hidden.device).expand_as(slot_valid)  # [b, N, B]
     slots = torch.arange(block_size, device=hidden.device).expand_as(slot_valid)  # [b, N, B]
     row_weights = weights[slot_valid]  # [R]
-    row_scale = row_weights / row_weights.sum().clamp_min(torch.finfo(torch.float32).tiny)  # [R]
+    row_scale = row_weights / loss_weight(slot_valid, gamma).clamp_min(torch.finfo(torch.float32).tiny)  # [R]
     loss, correct_rows = _ChunkedHeadCrossEntropy.apply(
         hidden[slot_valid], lm_head, targets[slot_valid], row_scale, chunk_rows
     )  # [], [R]

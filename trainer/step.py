@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from dflashq import defaults
 from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import Attention, DFlashDrafter, DrafterConfig, uses_flex
-from trainer.loss import DFlashLoss, dflash_loss
+from trainer.loss import DFlashLoss, dflash_loss, loss_weight
 from trainer.target_head import TargetHead
 
 
@@ -100,20 +100,42 @@ class StepStats:
     grad_norm: float
 
 
-def backward(model: nn.Module, config: DrafterConfig, head: TargetHead, batch: Batch, *, num_anchors: int,
-             loss_chunk_rows: int, generator: torch.Generator | None = None, scale: float = 1.0,
-             attention: Attention = "auto") -> DFlashLoss:
-    """Forward and backward of one (micro-)batch through `model` (the drafter, or its DDP / FSDP form), the
-    gradient of `scale` x its loss accumulated into the parameters."""
+@dataclasses.dataclass
+class Blocks:
+    """A (micro-)batch's training blocks (trainer.anchors)."""
+    anchors: Tensor  # [b, N] long
+    block_ids: Tensor  # [b, N, B] long
+    targets: Tensor  # [b, N, B] long
+    slot_valid: Tensor  # [b, N, B] bool
+
+
+def draw_blocks(config: DrafterConfig, batch: Batch, num_anchors: int, generator: torch.Generator | None = None,
+                attention: Attention = "auto") -> Blocks:
     anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator,
                                     exact=uses_flex(attention, batch.context))  # [b, N] x2
-    block_ids, targets, slot_valid = gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid,
-                                                   config.block_size, config.mask_token_id)  # [b, N, B] x3
+    return Blocks(anchors, *gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid, config.block_size,
+                                          config.mask_token_id))  # [b, N, B] x3
+
+
+def loss_shares(drawn: list[Blocks]) -> Tensor:
+    """Each micro-batch's share of its chunk's loss: its valid slots' decay weight over the whole chunk's. Each
+    micro-batch's loss is a weighted mean over its own slots, so the shares make their sum the loss of the chunk as
+    one batch, every block weighing the same; a plain mean weighed a micro-batch of one long sample as much as one of
+    ten short ones (and learned less in the same steps: README, Performance). [M] fp32."""
+    weights = torch.stack([loss_weight(blocks.slot_valid) for blocks in drawn])  # [M]
+    return weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)  # [M]
+
+
+def backward(model: nn.Module, config: DrafterConfig, head: TargetHead, batch: Batch, blocks: Blocks, *,
+             loss_chunk_rows: int, scale: float | Tensor = 1.0, attention: Attention = "auto") -> DFlashLoss:
+    """Forward and backward of one (micro-)batch through `model` (the drafter, or its DDP / FSDP form), the
+    gradient of `scale` x its loss accumulated into the parameters."""
     on_gpu = batch.context.is_cuda
     with torch.autocast(device_type=batch.context.device.type, dtype=torch.bfloat16, enabled=on_gpu):
-        hidden = model(batch.context, block_ids, anchors, head, attention)  # [b, N, B, H]
+        hidden = model(batch.context, blocks.block_ids, blocks.anchors, head, attention)  # [b, N, B, H]
     # the head runs in its own dtype (bf16 on GPU): never a converted copy of the [V, H] matrix per step
-    out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, targets, slot_valid, chunk_rows=loss_chunk_rows)
+    out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, blocks.targets, blocks.slot_valid,
+                      chunk_rows=loss_chunk_rows)
     (out.loss * scale).backward()
     return out
 
@@ -133,8 +155,9 @@ def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer
                grad_clip: float, loss_chunk_rows: int, generator: torch.Generator | None = None,
                attention: Attention = "auto", model: nn.Module | None = None) -> StepStats:
     """One batch, one optimizer step (the benchmark's step); `model` is the drafter's DDP form on several ranks."""
-    out = backward(model or drafter, drafter.config, head, batch, num_anchors=num_anchors,
-                   loss_chunk_rows=loss_chunk_rows, generator=generator, attention=attention)
+    blocks = draw_blocks(drafter.config, batch, num_anchors, generator, attention)
+    out = backward(model or drafter, drafter.config, head, batch, blocks, loss_chunk_rows=loss_chunk_rows,
+                   attention=attention)
     lr, grad_norm = optimizer_step(model or drafter, optimizer, scheduler, grad_clip)
     return StepStats(float(out.loss.detach()), out.acc.tolist(), float(out.eal), out.correct.detach().cpu(),
                      out.count.detach().cpu(), lr, grad_norm)
