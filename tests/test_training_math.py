@@ -155,7 +155,7 @@ def test_a_chunk_split_into_micro_batches_trains_as_one_batch():
         drafter.zero_grad()
         loss = 0.0
         for (batch, blocks), share in zip(parts, shares):
-            loss += float(share) * float(backward(drafter, config, head, batch, blocks, loss_chunk_rows=64,
+            loss += float(share) * float(backward(drafter, head, batch, blocks, loss_chunk_rows=64,
                                                   scale=share, attention="sdpa").loss.detach())
         return loss, [p.grad.clone() for p in drafter.parameters()]
 

@@ -270,7 +270,7 @@ class Trainer:
         if not held:
             empty = empty_batch(self.drafter.config, self.device)
             with parallel.gradient_sync(self.model, True):
-                backward(self.model, self.drafter.config, self.head, empty,
+                backward(self.model, self.head, empty,
                          draw_blocks(self.drafter.config, empty, self.cfg.num_anchors, attention=self.cfg.attention),
                          loss_chunk_rows=self.cfg.loss_chunk_rows, attention=self.cfg.attention)
         for i, entry in enumerate(held):
@@ -309,7 +309,7 @@ class Trainer:
             shares = loss_shares(drawn)  # [M]
             for j, (batch, blocks) in enumerate(zip(batches, drawn)):
                 with parallel.gradient_sync(self.model, last and j == len(groups) - 1):
-                    out = backward(self.model, self.drafter.config, self.head, batch, blocks,
+                    out = backward(self.model, self.head, batch, blocks,
                                    loss_chunk_rows=self.cfg.loss_chunk_rows, scale=scale * shares[j],
                                    attention=self.cfg.attention)
                 loss += float(out.loss.detach() * shares[j])

@@ -121,13 +121,13 @@ def loss_shares(drawn: list[Blocks]) -> Tensor:
     """Each micro-batch's share of its chunk's loss: its valid slots' decay weight over the whole chunk's. Each
     micro-batch's loss is a weighted mean over its own slots, so the shares make their sum the loss of the chunk as
     one batch, every block weighing the same; a plain mean weighed a micro-batch of one long sample as much as one of
-    ten short ones (and learned less in the same steps: README, Performance). [M] fp32."""
+    ten short ones (the likely reason split chunks learned less in the same steps: README, Performance). [M] fp32."""
     weights = torch.stack([loss_weight(blocks.slot_valid) for blocks in drawn])  # [M]
     return weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)  # [M]
 
 
-def backward(model: nn.Module, config: DrafterConfig, head: TargetHead, batch: Batch, blocks: Blocks, *,
-             loss_chunk_rows: int, scale: float | Tensor = 1.0, attention: Attention = "auto") -> DFlashLoss:
+def backward(model: nn.Module, head: TargetHead, batch: Batch, blocks: Blocks, *, loss_chunk_rows: int,
+             scale: float | Tensor = 1.0, attention: Attention = "auto") -> DFlashLoss:
     """Forward and backward of one (micro-)batch through `model` (the drafter, or its DDP / FSDP form), the
     gradient of `scale` x its loss accumulated into the parameters."""
     on_gpu = batch.context.is_cuda
@@ -156,8 +156,7 @@ def train_step(drafter: DFlashDrafter, head: TargetHead, batch: Batch, optimizer
                attention: Attention = "auto", model: nn.Module | None = None) -> StepStats:
     """One batch, one optimizer step (the benchmark's step); `model` is the drafter's DDP form on several ranks."""
     blocks = draw_blocks(drafter.config, batch, num_anchors, generator, attention)
-    out = backward(model or drafter, drafter.config, head, batch, blocks, loss_chunk_rows=loss_chunk_rows,
-                   attention=attention)
+    out = backward(model or drafter, head, batch, blocks, loss_chunk_rows=loss_chunk_rows, attention=attention)
     lr, grad_norm = optimizer_step(model or drafter, optimizer, scheduler, grad_clip)
     return StepStats(float(out.loss.detach()), out.acc.tolist(), float(out.eal), out.correct.detach().cpu(),
                      out.count.detach().cpu(), lr, grad_norm)
