@@ -408,8 +408,10 @@ def main() -> None:
             print(f"{phase}: {json.dumps(state[phase])}", file=sys.stderr, flush=True)
         if phase == args.stop_after:
             break
+    # the recipe itself, not only the command: the defaults change between runs (benchmarks/tau_scaling.py reads it)
+    recipe = {k: getattr(settings.train, k) for k in ("epochs", "num_anchors", "learning_rate", "micro_batch_tokens")}
     print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
-                      "cpu": cpu(), **state}))
+                      "cpu": cpu(), "train": recipe, **state}))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 GOALS = {"mt_bench": 2.5, "humaneval": 3.0}
 PROMPTS = 24
+MIN_SPREAD = 2.0  # the fewest-to-most trained tokens a fit needs across its runs
 
 
 def flag(command: str, name: str, default: float) -> float:
@@ -46,12 +47,21 @@ def runs(results: Path) -> list[dict]:
                     taus[name] = e["dflashq_tau_on_those"]
                 elif e.get("prompts") == PROMPTS:
                     taus[name] = e["dflashq_tau"]
+            # runs before the recipe was recorded: the command's flags, else the defaults of their day
+            recipe = record.get("train") or {"learning_rate": flag(command, "learning-rate", 6e-4),
+                                             "num_anchors": flag(command, "anchors", 512), "epochs": flag(command, "epochs", 2)}
             rows.append({
                 "run": path.stem.removeprefix("quality-") + (f"-{label}" if label else ""),
-                "learning_rate": flag(command, "learning-rate", 6e-4), "anchors": int(flag(command, "anchors", 512)),
-                "trained_tokens": up["tokens_extracted"] * flag(command, "epochs", 2),  # retention keep: extracted once
+                "learning_rate": recipe["learning_rate"], "anchors": int(recipe["num_anchors"]),
+                "trained_tokens": up["tokens_extracted"] * recipe["epochs"],  # retention keep: extracted once
                 "up_seconds": up["seconds"], **taus})
     return rows
+
+
+def run_order(row: dict) -> tuple[str, str]:
+    """Runs by the date in their name, whatever card comes before it (quality-smollm2-h100-2026-12-06-run10)."""
+    dated = re.search(r"\d{4}-\d\d-\d\d.*", row["run"])
+    return (dated.group() if dated else "", row["run"])
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -72,22 +82,28 @@ def main() -> None:
     rows = runs(Path(args.results))
     fitted = [r for r in rows if math.isclose(r["learning_rate"], args.learning_rate) and r["anchors"] == args.anchors]
     # the trainer's rate in the newest fitted run: seconds of `up` per trained token
-    newest = max(fitted, key=lambda r: r["run"])
+    newest = max(fitted, key=run_order)
     seconds_per_token = newest["up_seconds"] / newest["trained_tokens"]
     figure = Figure(figsize=(7, 4.5))
     axes = figure.subplots()
     summary = {}
     for name, goal in GOALS.items():
         points = [(r["trained_tokens"], r[name]) for r in fitted if r.get(name)]
-        a, b = fit(points)
-        needed = math.exp((math.log(goal - 1) - a) / b)
-        summary[name] = {"runs": len(points), "exponent": round(b, 3), "goal": goal,
-                         "tokens_for_goal_m": round(needed / 1e6, 1),
-                         "up_minutes_for_goal": round(needed * seconds_per_token / 60, 1)}
         line = axes.plot([t / 1e6 for t, _ in points], [tau for _, tau in points], "o",
                          label=f"{name} (lr {args.learning_rate:g}, {args.anchors} anchors)")[0]
-        grid = [10 ** (6 + 2.2 * i / 100) for i in range(101)]
-        axes.plot([t / 1e6 for t in grid], [1 + math.exp(a) * t ** b for t in grid], "--", color=line.get_color(), alpha=0.6)
+        tokens = [t for t, _ in points]
+        if max(tokens) < MIN_SPREAD * min(tokens):
+            # runs that trained about as many tokens differ in what else changed (data, schedule): no slope to read
+            summary[name] = {"runs": len(points), "fit": f"none: the runs trained {min(tokens) / 1e6:.1f}-"
+                                                         f"{max(tokens) / 1e6:.1f} M tokens, less than {MIN_SPREAD}x apart"}
+        else:
+            a, b = fit(points)
+            needed = math.exp((math.log(goal - 1) - a) / b)
+            summary[name] = {"runs": len(points), "exponent": round(b, 3), "goal": goal,
+                             "tokens_for_goal_m": round(needed / 1e6, 1),
+                             "up_minutes_for_goal": round(needed * seconds_per_token / 60, 1)}
+            grid = [10 ** (6 + 2.2 * i / 100) for i in range(101)]
+            axes.plot([t / 1e6 for t in grid], [1 + math.exp(a) * t ** b for t in grid], "--", color=line.get_color(), alpha=0.6)
         axes.axhline(goal, color=line.get_color(), linestyle=":", alpha=0.6)
         others = [(r["trained_tokens"] / 1e6, r[name]) for r in rows if r.get(name) and r not in fitted]
         if others:

@@ -105,6 +105,8 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     work = str(tmp_path / "quality")
     report, _ = bench("quality.py", "--tiny", "--work", work)
     assert report["prompts"]["conversations"] == 24  # read object by object from the cut-off ShareGPT JSON
+    # the recipe as run, not only as asked: --tiny overrides the command's defaults
+    assert report["train"] == {"epochs": 2, "num_anchors": 8, "learning_rate": 3e-3, "micro_batch_tokens": 32768}
     assert report["regenerate"]["regenerated"] > 0 and report["regenerate"]["failed"] == 0
     assert report["up"]["steps"] > 0 and report["up"]["tokens_extracted"] > 0 and Path(report["up"]["curve"]).is_file()
     assert report["up"]["median_step_seconds"].keys() == {"between", "read", "compute"}
@@ -134,6 +136,31 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     for name in ("mt_bench", "humaneval"):
         assert {k: v for k, v in resumed["eval"][name].items() if "seconds" not in k} == \
             {k: v for k, v in report["eval"][name].items() if "seconds" not in k}
+
+
+def quality_record(path, tokens, taus, **fields):
+    evaluated = {name: {"prompts": 24, "dflashq_tau": tau} for name, tau in zip(("mt_bench", "humaneval"), taus)}
+    path.write_text(json.dumps({"up": {"tokens_extracted": tokens, "seconds": tokens / 1e5}, "eval": evaluated, **fields}))
+
+
+def test_tau_scaling_reads_each_runs_recipe_and_fits_only_across_token_counts(tmp_path):
+    # two runs from before the recipe was recorded (their flags, else that day's defaults: 512 anchors, 2 epochs)
+    quality_record(tmp_path / "quality-a-h200-2026-12-01.json", 1e6, (1.2, 1.3), command="quality.py --epochs 4")
+    quality_record(tmp_path / "quality-b-h200-2026-12-02.json", 4e6, (1.5, 1.7), command="quality.py --anchors 512")
+    # 128 anchors: recorded recipes, one run from a card that sorts first by name but is the newest by date
+    quality_record(tmp_path / "quality-s-h200-2026-12-03.json", 2e6, (2.0, 2.2), command="quality.py --anchors 128 --epochs 5")
+    quality_record(tmp_path / "quality-s-h100-2026-12-06.json", 2e6, (2.4, 2.7), command="quality.py",
+                   train={"epochs": 6, "num_anchors": 128, "learning_rate": 6e-4, "micro_batch_tokens": 32768})
+    report, _ = bench("tau_scaling.py", "--results", str(tmp_path), "--png", str(tmp_path / "a.png"))
+    rows = {r["run"]: (r["anchors"], r["trained_tokens"]) for r in report["runs"]}
+    assert rows == {"a-h200-2026-12-01": (512, 4e6), "b-h200-2026-12-02": (512, 8e6),
+                    "s-h200-2026-12-03": (128, 1e7), "s-h100-2026-12-06": (128, 1.2e7)}
+    assert report["fit"]["mt_bench"]["exponent"] > 0 and report["fit"]["mt_bench"]["tokens_for_goal_m"] > 8
+    assert math.isclose(report["seconds_per_trained_token"], 4e6 / 1e5 / 8e6)  # run b: the newest at 512
+    report, _ = bench("tau_scaling.py", "--results", str(tmp_path), "--png", str(tmp_path / "b.png"), "--anchors", "128")
+    assert math.isclose(report["seconds_per_trained_token"], 2e6 / 1e5 / 1.2e7)  # the H100 run, dated last
+    # 10 and 12 M trained tokens: too close for a slope, so no fit and no goal read off one
+    assert all(fit["fit"].startswith("none") for fit in report["fit"].values())
 
 
 def test_quality_benchmark_compares_with_the_reference_on_the_first_prompts_only(tmp_path):
