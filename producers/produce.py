@@ -79,7 +79,8 @@ def _batches(paths: list[str], size: int) -> Iterator[list[tuple[int, Record]]]:
         yield batch
 
 
-def _tokenized(settings) -> Iterator[tuple[int, str, TokenizeResult]]:
+def tokenized(settings) -> Iterator[tuple[int, str, TokenizeResult]]:
+    """The run's records in order as (index, source, outcome), in data.tokenize_processes processes."""
     options = {
         "max_length": settings.data.max_length,
         "on_long": settings.data.on_long,
@@ -154,7 +155,7 @@ def _produce_epoch(run: Run, admission: Admission, fingerprint: str, epoch: int,
 
     def samples() -> Iterator[Sample]:
         nonlocal read_tokens
-        for index, source, result in _tokenized(settings):
+        for index, source, result in tokenized(settings):
             bar.advance(task)
             if not first_epoch:  # later epochs re-admit the same samples; count them once
                 if result.kept:

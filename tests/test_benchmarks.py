@@ -122,6 +122,17 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
         assert result["prompts"] == 2 and result["lossless_checked"] == result["lossless"] == 2
         assert result["per_prompt_tau_equal"] == result["per_prompt_text_equal"] == 2
         assert result["dflashq_tau"] == result["reference_tau"] >= 1.0
+    # the same drafter's offline EAL on its own records and on the eval's prompts with the target's answers
+    gen, _ = bench("generalization.py", "--work", work, "--samples", "2", "--logged-steps", "2")
+    assert gen["anchors"] == 8 and gen["drafter"].startswith("drafter-step-")
+    for name in ("trained", "mt_bench", "humaneval"):
+        assert gen[name]["samples"] == 2 and 1.0 <= gen[name]["offline_eal"] <= 4.0 and len(gen[name]["acc"]) == 3
+    for name in ("mt_bench", "humaneval"):  # the tau beside it is the eval's, on the same prompts
+        assert gen[name]["tau"] == pytest.approx(report["eval"][name]["dflashq_tau"], abs=1e-3)
+    # the last two steps' chunks found again by packing the data as the producer did, and measured about as logged
+    steps = gen["logged_steps"]["steps"]
+    assert [s["step"] for s in steps] == [report["up"]["steps"] - 1, report["up"]["steps"]]
+    assert all(abs(s["measured_eal"] - s["logged_eal"]) < 1.0 for s in steps)
     again, log = bench("quality.py", "--tiny", "--work", work)
     assert all(f"{phase}: done earlier" in log for phase in ("model", "prompts", "regenerate", "up", "eval"))
     assert again["eval"] == report["eval"]
