@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.quality import humaneval_prompts, mtbench_first_turns, shard_rows  # noqa: E402
+from benchmarks.quality import eval_prompt_sets, shard_rows  # noqa: E402
 from dflashq import settings as settings_module  # noqa: E402
 from dflashq.blob import decode_blob, encode_blob  # noqa: E402
 from dflashq.capture import HiddenStateCapture  # noqa: E402
@@ -36,7 +36,7 @@ from producers.produce import tokenized  # noqa: E402
 from producers.tokenize import load_tokenizer, tokenize_record  # noqa: E402
 from trainer import checkpoint  # noqa: E402
 from trainer.evaluate import evaluate_blobs  # noqa: E402
-from trainer.export import load_exported  # noqa: E402
+from trainer.export import export_path, load_exported  # noqa: E402
 from trainer.target_head import TargetHead  # noqa: E402
 
 
@@ -55,8 +55,8 @@ def held_out_records(work: Path, samples: int, marker: str) -> dict[str, tuple[l
     for shard in sorted((work / "eval").glob("shard-*.jsonl")):
         rows.update(shard_rows(shard))
     sets = {}
-    for name, prompts in (("mt_bench", mtbench_first_turns()), ("humaneval", humaneval_prompts())):
-        done = [(prompt, rows[(name, i)]["dflashq"]) for i, prompt in enumerate(prompts[:samples]) if (name, i) in rows]
+    for name, prompts in eval_prompt_sets(samples).items():
+        done = [(prompt, rows[(name, i)]["dflashq"]) for i, prompt in enumerate(prompts) if (name, i) in rows]
         records = [{"messages": [{"role": "user", "content": prompt},
                                  {"role": "assistant", "content": result["text"].split(marker)[0]}]}
                    for prompt, result in done]
@@ -116,7 +116,7 @@ def main() -> None:
     work = Path(args.work).resolve()
     settings = settings_module.load(work / "run.toml")
     runs = Path(settings.store.path) / settings.run
-    drafter_dir = runs / f"drafter-{checkpoint.latest(runs / 'checkpoints').name}"
+    drafter_dir = export_path(checkpoint.latest(runs / "checkpoints"))
     anchors = args.anchors or settings.train.num_anchors
     measure = Measure(settings, drafter_dir, anchors, args.device)
     tokenizer = load_tokenizer(settings.model.path)

@@ -209,8 +209,9 @@ def epoch_figures(steps: list[dict]) -> dict:
                                 for r in compiling]}
 
 
-def eval_prompt_sets(args) -> dict[str, list[str]]:
-    return {"mt_bench": mtbench_first_turns()[: args.eval_prompts], "humaneval": humaneval_prompts()[: args.eval_prompts]}
+def eval_prompt_sets(limit: int) -> dict[str, list[str]]:
+    """The eval's prompts: at most `limit` of each benchmark, in order."""
+    return {"mt_bench": mtbench_first_turns()[:limit], "humaneval": humaneval_prompts()[:limit]}
 
 
 def phase_eval(work: Path, args, settings) -> dict:
@@ -229,7 +230,7 @@ def phase_eval(work: Path, args, settings) -> dict:
     for i in range(args.eval_processes):
         done.update(shard_rows(shards / f"shard-{i}.jsonl"))
     results = {}
-    for name, prompts in eval_prompt_sets(args).items():
+    for name, prompts in eval_prompt_sets(args.eval_prompts).items():
         rows = [done[(name, i)] for i in range(len(prompts))]
         ours = [r["dflashq"] for r in rows]
         checked = [o["lossless"] for o in ours if o["lossless"] is not None]
@@ -272,15 +273,16 @@ def eval_shard(work: Path, args, settings) -> None:
     prompts) and the reference loop on prompts shard, shard + processes, ..., each appended to the shard's file."""
     from trainer import checkpoint
     from trainer.evaluate import PromptEvaluator
+    from trainer.export import export_path
 
     shard, count = args.eval_shard, args.eval_processes
     path = work / "eval" / f"shard-{shard}.jsonl"
     done = shard_rows(path)
-    todo = [(name, i, prompt) for name, prompts in eval_prompt_sets(args).items()
+    todo = [(name, i, prompt) for name, prompts in eval_prompt_sets(args.eval_prompts).items()
             for i, prompt in enumerate(prompts) if i % count == shard and (name, i) not in done]
     if not todo:
         return
-    drafter = work / "runs" / "quality" / f"drafter-{checkpoint.latest(work / 'runs' / 'quality' / 'checkpoints').name}"
+    drafter = export_path(checkpoint.latest(work / "runs" / "quality" / "checkpoints"))
     ours = PromptEvaluator(settings.model.path, drafter, args.device)
     reference_generate = reference_loop(settings.model.path, drafter, args.eval_tokens, args.device)
     with open(path, "a", encoding="utf-8") as out:

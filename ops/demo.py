@@ -21,7 +21,7 @@ from producers.regenerate import regenerate
 from producers.sample_data import sample_conversations, write_sample_data
 from trainer import checkpoint
 from trainer.evaluate import evaluate_prompts
-from trainer.export import export_checkpoint
+from trainer.export import export_checkpoint, export_path
 from workers.tiny_model import CHAIN_WORDS, make_learnable, write_tiny_model
 
 RESPONSE_TOKENS = 24
@@ -102,7 +102,7 @@ def _run(settings, root: Path, workers: int) -> dict:
     if not supervisor.run_until_done():
         raise DflashqError("The demo was stopped before training finished; run `dflashq demo` again to resume it.")
     latest = checkpoint.latest(run.store.path("checkpoints"))
-    exported = Path(run.store.path(f"drafter-{latest.name}"))
+    exported = export_path(latest)
     if not exported.exists():
         export_checkpoint(latest, exported)
     console.print(f"3/4 export: {exported}")

@@ -81,6 +81,12 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     return export_drafter(load_drafter(checkpoint_dir), out_dir)
 
 
+def export_path(checkpoint_dir: str | Path) -> Path:
+    """Where `up` and the demo export a checkpoint `<run>/checkpoints/step-N`: `<run>/drafter-step-N`."""
+    checkpoint_dir = Path(checkpoint_dir)
+    return checkpoint_dir.parent.parent / f"drafter-{checkpoint_dir.name}"
+
+
 def config_from_export(config: dict) -> DrafterConfig:
     """DrafterConfig of an exported config.json; configs without layer_types (older releases) are all full attention."""
     dflash = config["dflash_config"]
