@@ -60,6 +60,11 @@ REGENERATE_BATCH_TOKENS = 0
 REGENERATE_MEMORY_FRACTION = 0.4
 REGENERATE_MAX_ROWS = 1024  # beyond it the per-step logits and sampling outgrow what more rows gain
 REGENERATE_CPU_BATCH_TOKENS = 65536  # batch_tokens 0 on the CPU
+# transformers engine: what one more decode batch costs, in cached tokens (rows x (longest prompt + max_new_tokens)):
+# a batch is cut where padding its rows to the longest would cost more (producers/decode_batches.py). Measured on an
+# H100, SmolLM2-135M, 2,000 of the quality benchmark's conversations: a batch took about 1 s + 5 us x rows x width,
+# i.e. the fixed part is worth about 200k cached tokens; a bare decode step, 3.7 ms + 9 ns x rows x width.
+REGENERATE_BATCH_FIXED_TOKENS = 200_000
 # transformers engine: processes sharing the device (generate is bound by the core launching its kernels)
 REGENERATE_PROCESSES = 1
 # transformers engine: how a batch is decoded. "static": a static KV cache with each decode step replayed as one CUDA

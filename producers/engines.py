@@ -22,6 +22,7 @@ from dflashq import defaults
 from dflashq.exceptions import ConfigError, InputError
 from dflashq.settings import RegenerateSettings, Settings
 from dflashq.target import eos_ids, load_target
+from producers import decode_batches
 from producers.conversation import Conversation
 from producers.static_decoder import StaticDecoder, left_padded, unsupported_reason
 from producers.tokenize import load_tokenizer
@@ -63,10 +64,11 @@ class Engine(Protocol):
 
 # --- Transformers, on a local device ----------------------------------------------------------------------
 class TransformersEngine:
-    """The target from model.path on one device: length-sorted, left-padded batches through model.generate, each
-    bounded by regenerate.batch_tokens (rows x (longest prompt + max_new_tokens), i.e. its KV cache; 0 sizes it
-    from the device's free memory) and regenerate's row cap, each decoded by the static-cache decoder or by
-    Transformers' generate (regenerate.decoder). A batch that still runs out of memory is split."""
+    """The target from model.path on one device: length-sorted, left-padded batches, cut where padding would cost
+    more than another batch (producers/decode_batches.py), each bounded by regenerate.batch_tokens (rows x (longest
+    prompt + max_new_tokens), i.e. its KV cache; 0 sizes it from the device's free memory) and regenerate's row cap,
+    each decoded by the static-cache decoder or by Transformers' generate (regenerate.decoder). A batch that still
+    runs out of memory is split."""
 
     def __init__(self, settings: Settings, device: str = "cpu", memory_share: float = 1.0):
         self.options = settings.regenerate
@@ -143,17 +145,11 @@ class TransformersEngine:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template renders BOS itself
 
     def _batches(self, prompts: list[tuple[int, list[int]]]):
-        """Consecutive runs of the longest-first prompts within the token budget (a lone prompt always goes)."""
-        batch: list = []
-        for item in prompts:
-            longest = len(batch[0][1]) if batch else len(item[1])
-            if batch and (len(batch) == defaults.REGENERATE_MAX_ROWS
-                          or (len(batch) + 1) * (longest + self.options.max_new_tokens) > self.batch_tokens):
-                yield batch
-                batch = []
-            batch.append(item)
-        if batch:
-            yield batch
+        """The longest-first prompts in consecutive runs of least total cost (producers/decode_batches.py)."""
+        runs = decode_batches.plan([len(ids) for _, ids in prompts], self.options.max_new_tokens, self.batch_tokens,
+                                   defaults.REGENERATE_MAX_ROWS, defaults.REGENERATE_BATCH_FIXED_TOKENS)
+        for start, end in runs:
+            yield prompts[start:end]
 
     def _generate(self, rows: list[list[int]]) -> list[Reply]:
         try:

@@ -8,6 +8,7 @@ import collections
 import fcntl
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -25,14 +26,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflashq import settings as S
+from dflashq import defaults, settings as S
 from dflashq.exceptions import ConfigError, DflashqError, InputError
 from dflashq.target import load_target
 from producers.conversation import normalize
 from producers.engine_processes import EngineProcesses
 from producers.engines import EndpointEngine, TransformersEngine
 from producers.regenerate import record_key, regenerate
-from producers import static_decoder
+from producers import decode_batches, static_decoder
 from producers.static_decoder import StaticDecoder
 from trainer.evaluate import greedy_generate
 from workers.tiny_model import EOS_ID, write_tiny_model
@@ -299,6 +300,43 @@ def _tiny_qwen3(path: Path) -> str:
         if "token" in name or name.endswith(".jinja"):
             shutil.copyfile(os.path.join(llama, name), path / "qwen3" / name)
     return str(path / "qwen3")
+
+
+def _plan_cost(runs, lengths, new, fixed):
+    return sum(fixed + (end - start) * (lengths[start] + new) for start, end in runs)
+
+
+def test_decode_batches_plan_is_the_least_cost_cut_within_the_limits():
+    """The plan covers the sorted prompts in order, keeps every batch within the row cap and the KV budget (a lone
+    prompt always goes), and costs exactly what the best of every possible cut costs (all 2^(n-1) tried)."""
+    generator = random.Random(0)
+    for _ in range(200):
+        lengths = sorted((generator.randint(1, 300) for _ in range(generator.randint(1, 9))), reverse=True)
+        new, budget, rows, fixed = (generator.randint(1, 50), generator.randint(50, 2000), generator.randint(1, 6),
+                                    generator.randint(0, 500))
+        runs = decode_batches.plan(lengths, new, budget, rows, fixed)
+        assert [start for start, _ in runs] == [0] + [end for _, end in runs[:-1]] and runs[-1][1] == len(lengths)
+        assert all(end - start <= rows and (end - start == 1 or (end - start) * (lengths[start] + new) <= budget)
+                   for start, end in runs)
+        costs = []
+        for mask in range(1 << (len(lengths) - 1)):
+            cuts = [0] + [i + 1 for i in range(len(lengths) - 1) if mask >> i & 1] + [len(lengths)]
+            cut = list(zip(cuts, cuts[1:]))
+            if all(e - s <= rows and (e - s == 1 or (e - s) * (lengths[s] + new) <= budget) for s, e in cut):
+                costs.append(_plan_cost(cut, lengths, new, fixed))
+        assert _plan_cost(runs, lengths, new, fixed) == min(costs)
+    with pytest.raises(ValueError, match="longest first"):
+        decode_batches.plan([1, 2], 4, 100, 4, 0)
+
+
+def test_decode_batches_keep_short_prompts_off_a_long_ones_padding():
+    """A few long multi-turn histories among many short first turns: filling batches up to the KV budget padded
+    hundreds of short rows to the longest (the H100 run in producers/decode_batches.py); the plan gives the long ones
+    their own batch, and equal prompts stay in as few batches as the row cap allows."""
+    lengths = [2800, 2600, 2500] + [300] * 1000
+    runs = decode_batches.plan(lengths, 256, 1_460_728, 1024, defaults.REGENERATE_BATCH_FIXED_TOKENS)
+    assert runs == [(0, 3), (3, 1003)]
+    assert len(decode_batches.plan([64] * 2500, 256, 10**9, 1024, 200_000)) == 3
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
