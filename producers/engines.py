@@ -24,7 +24,7 @@ from dflashq.settings import RegenerateSettings, Settings
 from dflashq.target import eos_ids, load_target
 from producers import decode_batches
 from producers.conversation import Conversation
-from producers.static_decoder import StaticDecoder, unsupported_reason
+from producers.static_decoder import StaticDecoder, left_padded, unsupported_reason
 from producers.tokenize import load_tokenizer
 
 # Conversations handed over per respond() call, in engine batches (GPU batches, or requests in flight): enough that
@@ -64,7 +64,7 @@ class Engine(Protocol):
 
 # --- Transformers, on a local device ----------------------------------------------------------------------
 class TransformersEngine:
-    """The target from model.path on one device: length-sorted, padded batches, cut where padding would cost
+    """The target from model.path on one device: length-sorted, left-padded batches, cut where padding would cost
     more than another batch (producers/decode_batches.py), each bounded by regenerate.batch_tokens (rows x (longest
     prompt + max_new_tokens), i.e. its KV cache; 0 sizes it from the device's free memory) and regenerate's row cap,
     each decoded by the static-cache decoder or by Transformers' generate (regenerate.decoder). A batch that still
@@ -179,16 +179,6 @@ class TransformersEngine:
         # skip_special_tokens drops the end-of-turn token, which the chat template adds back when rendering the turn
         content = self.tokenizer.decode(kept, skip_special_tokens=True)
         return Reply(content, tokens=len(kept), truncated=end is None)
-
-
-def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ids, left-padded so every row's next token lands in the same column (as generate wants): ids
-    [R, width] and each row's padding count [R] (both on the CPU)."""
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row)
-    return ids, torch.tensor([width - len(row) for row in rows])
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:

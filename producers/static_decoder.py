@@ -2,10 +2,8 @@
 
 Why: Transformers' `generate` is launch bound for small targets: on an H200, SmolLM2-135M regenerated 3,235 tokens/s
 with up to 1024 rows (its continuous batching, `generate_batch`, 2,013), the GPU mostly idle between the Python and
-kernel-launch work of each step. Here a batch's right-padded rows share one preallocated cache
-[layers, rows, kv_heads, width + max_new_tokens, head_dim], each row writing its next token at its own column; the
-prompt is one causal forward (no mask: a row's padding comes after its tokens, so flash attention applies), and
-every decode step (all
+kernel-launch work of each step. Here a batch's left-padded rows share one preallocated cache
+[layers, rows, kv_heads, width + max_new_tokens, head_dim]; the prompt is one forward, and every decode step (all
 layers, the head, the argmax and the bookkeeping) is captured once as a CUDA graph and replayed, so a step costs
 no Python or launch work (measured 3.6x generate's tokens/s; `seconds` says where a batch's time goes). It runs the
 target's own modules (embedding, norms, projections, rotary embedding, MLP, head); only the attention over the cache
@@ -41,6 +39,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids, left-padded so every row's next token lands in the same column: ids [R, width] and each row's
+    padding count [R] (both on the CPU)."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+    return ids, torch.tensor([width - len(row) for row in rows])
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding as Transformers applies it (rotate_half convention); cos/sin [R, S, d] -> per head."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [R, 1, S, d]
@@ -73,9 +81,9 @@ class StaticDecoder:
         self.row_steps = 0
 
     # --- the layer stack, shared by the prompt forward and the decode step -----------------------------------
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, last: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """The target's layers over ids [R, S] at positions [R, S]; attend(layer, q, k, v) -> [R, heads, S, d].
-        Returns the logits [R, V] at each row's position `last` [R]."""
+        Returns the last position's logits [R, V]."""
         x = self.core.embed_tokens(ids)  # [R, S, H]
         cos, sin = self.core.rotary_emb(x, positions)  # [R, S, d] each
         rows, length = ids.shape
@@ -92,7 +100,7 @@ class StaticDecoder:
             out = attend(index, q, k, v)  # [R, heads, S, d]
             x = x + attention.o_proj(out.transpose(1, 2).reshape(rows, length, -1))  # [R, S, H]
             x = x + layer.mlp(layer.post_attention_layernorm(x))  # [R, S, H]
-        return self.model.lm_head(self.core.norm(x[torch.arange(rows, device=x.device), last]))  # [R, V]
+        return self.model.lm_head(self.core.norm(x[:, -1]))  # [R, V]
 
     # --- one batch ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -100,32 +108,33 @@ class StaticDecoder:
         started = time.perf_counter()
         width = max(map(len, rows))
         self._buffers(len(rows), width + self.max_new_tokens)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row)
-        ids = ids.to(self.device)  # [R, width]: right-padded, so each row counts its positions from column 0
-        lengths = torch.tensor(list(map(len, rows)), device=self.device)  # [R]
-        columns = torch.arange(self.visible.shape[1], device=self.device)
-        self.visible.copy_(columns[None, :] < lengths[:, None])  # [R, T]: real prompt tokens
-        positions = columns[None, :width].expand(len(rows), width)  # [R, width]
+        ids, pads = (t.to(self.device) for t in left_padded(rows, self.pad_id))
+        columns = torch.arange(width, device=self.device)
+        positions = (columns[None, :] - pads[:, None]).clamp(min=0)  # [R, width]: each row counts from its first token
+        self.visible.zero_()
+        self.visible[:, :width] = columns[None, :] >= pads[:, None]  # [R, T]: real prompt tokens
+        causal = columns[None, :] <= columns[:, None]  # [width, width]
+        eye = torch.eye(width, dtype=torch.bool, device=self.device)
         groups = self.heads // self.kv_heads
         logits = []
         step = max(1, PROMPT_TOKENS // width)
-        for lo in range(0, len(rows), step):  # rows in slices: the prompt forward's activations stay small
+        for lo in range(0, len(rows), step):  # rows in slices: the [rows, width, width] mask stays small
             hi = min(len(rows), lo + step)
+            # a padding query sees itself only (its output is never used; an empty row would make NaNs)
+            mask = (causal[None] & self.visible[lo:hi, None, :width]) | eye  # [r, width, width]
 
             def attend_prompt(index, q, k, v):
                 self.keys[index, lo:hi, :, :width] = k
                 self.values[index, lo:hi, :, :width] = v
-                # causal alone is right: a row's padding comes after its tokens (padding queries are never read)
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True,
+                    q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask[:, None],
                     scale=self.scaling)  # [r, heads, width, d]
 
-            logits.append(self._forward(ids[lo:hi], positions[lo:hi], attend_prompt, lengths[lo:hi] - 1))  # [r, V]
+            logits.append(self._forward(ids[lo:hi], positions[lo:hi], attend_prompt))  # [r, V]
         logits = torch.cat(logits)  # [R, V]
         self.tokens.copy_(logits.argmax(-1)[:, None])
-        self.positions.copy_(lengths[:, None])
+        self.positions.copy_(positions[:, -1:] + 1)
+        self.column.fill_(width)
         self.step.zero_()
         self.generated[:, 0] = self.tokens[:, 0]
         self.done.copy_(self._ended(self.tokens[:, 0]))
@@ -156,28 +165,28 @@ class StaticDecoder:
 
     def _decode_step(self) -> None:
         """One token for every row, entirely on the device (no host sync: it is captured as a graph)."""
+        self.visible.index_fill_(1, self.column, True)  # the new token sees itself
         rows = self.tokens.shape[0]
         groups = self.heads // self.kv_heads
-        self.visible.scatter_(1, self.positions, True)  # the new token sees itself
-        column = self.positions.view(rows, 1, 1, 1).expand(rows, self.kv_heads, 1, self.head_dim)  # each row's own
 
         def attend_cache(index, q, k, v):
             keys, values = self.keys[index], self.values[index]  # [R, kv_heads, T, d]
-            keys.scatter_(2, column, k)
-            values.scatter_(2, column, v)
+            keys.index_copy_(2, self.column, k)
+            values.index_copy_(2, self.column, v)
             q = q.reshape(rows, self.kv_heads, groups, self.head_dim)  # [R, kv_heads, g, d]: one query per head
             scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [R, kv_heads, g, T]
             scores = scores.masked_fill(~self.visible[:, None, None, :], float("-inf"))
             out = torch.matmul(scores.softmax(-1).to(values.dtype), values)  # [R, kv_heads, g, d]
             return out.view(rows, self.heads, 1, self.head_dim)  # [R, heads, 1, d]
 
-        logits = self._forward(self.tokens, self.positions, attend_cache, self.last)  # [R, V]
+        logits = self._forward(self.tokens, self.positions, attend_cache)  # [R, V]
         token = logits.argmax(-1)  # [R]
         self.step += 1
         self.generated.index_copy_(1, self.step, token[:, None])
         self.done |= self._ended(token)
         self.tokens.copy_(token[:, None])
         self.positions += 1
+        self.column += 1
 
     def _buffers(self, rows: int, width: int) -> None:
         """The cache and step state for `rows` x `width`; kept (with the captured graph) while the shape repeats."""
@@ -192,8 +201,8 @@ class StaticDecoder:
         self.values = torch.zeros(cache, dtype=self.dtype, device=self.device)
         self.visible = torch.zeros((rows, width), dtype=torch.bool, device=self.device)
         self.tokens = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
-        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=self.device)  # each row's next column too
-        self.last = torch.zeros(rows, dtype=torch.long, device=self.device)  # a decode step's only position
+        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+        self.column = torch.zeros(1, dtype=torch.long, device=self.device)
         self.step = torch.zeros(1, dtype=torch.long, device=self.device)
         self.generated = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=self.device)
@@ -207,17 +216,17 @@ class StaticDecoder:
     def _capture(self) -> None:
         """Capture the decode step on the state as it stands (the first replay runs it): the warm-up runs that
         capture needs (cuBLAS workspaces, lazy init) work on a saved copy of the state, which is then put back."""
-        state = (self.visible, self.tokens, self.positions, self.step, self.generated, self.done)
+        state = (self.visible, self.tokens, self.positions, self.column, self.step, self.generated, self.done)
         saved = [t.clone() for t in state]
-        step = int(self.step)
+        column = int(self.column)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._decode_step()  # writes each row's cache column, which the first replay rewrites the same way
+            self._decode_step()  # writes the cache at `column`, which the first replay rewrites the same way
         torch.cuda.current_stream().wait_stream(stream)
         for live, copy in zip(state, saved):
             live.copy_(copy)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._decode_step()
-        assert int(self.step) == step  # capture records, it does not run
+        assert int(self.column) == column  # capture records, it does not run

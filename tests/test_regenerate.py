@@ -341,9 +341,8 @@ def test_decode_batches_keep_short_prompts_off_a_long_ones_padding():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_static_decoder_decodes_as_generate_does(tmp_path, arch, monkeypatch):
-    """The static-cache decoder (its eager step, which a GPU replays as a CUDA graph) gives each row of a batch of
-    different lengths (right-padded there, left-padded for generate) the same greedy tokens as Transformers'
-    generate, up to the row's end id, on Llama and Qwen3 layouts."""
+    """The static-cache decoder (its eager step, which a GPU replays as a CUDA graph) gives each left-padded row of
+    a batch the same greedy tokens as Transformers' generate, up to the row's end id, on Llama and Qwen3 layouts."""
     path = write_tiny_model(str(tmp_path / "llama"), "llama") if arch == "llama" else _tiny_qwen3(tmp_path)
     model = load_target(path, "cpu")
     generator = torch.Generator().manual_seed(3)
