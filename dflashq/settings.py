@@ -111,6 +111,7 @@ class RegenerateSettings:
     timeout_seconds: float = defaults.REGENERATE_TIMEOUT_SECONDS
     retries: int = defaults.REGENERATE_RETRIES
     batch_tokens: int = defaults.REGENERATE_BATCH_TOKENS
+    batch_fixed_tokens: int = defaults.REGENERATE_BATCH_FIXED_TOKENS
     processes: int = defaults.REGENERATE_PROCESSES
     decoder: str = defaults.REGENERATE_DECODER
     served_model: str = defaults.REGENERATE_SERVED_MODEL
@@ -306,6 +307,7 @@ def _validate(settings: Settings) -> None:
         (settings.regenerate.timeout_seconds > 0, "regenerate.timeout_seconds must be more than 0"),
         (settings.regenerate.retries >= 0, "regenerate.retries must be 0 or more"),
         (settings.regenerate.batch_tokens >= 0, "regenerate.batch_tokens must be at least 1 (or 0: sized from the device)"),
+        (settings.regenerate.batch_fixed_tokens >= 0, "regenerate.batch_fixed_tokens must be 0 or more"),
         (settings.regenerate.processes >= 1, "regenerate.processes must be at least 1"),
     ]
     for ok, message in checks:

@@ -147,7 +147,7 @@ class TransformersEngine:
     def _batches(self, prompts: list[tuple[int, list[int]]]):
         """The longest-first prompts in consecutive runs of least total cost (producers/decode_batches.py)."""
         runs = decode_batches.plan([len(ids) for _, ids in prompts], self.options.max_new_tokens, self.batch_tokens,
-                                   defaults.REGENERATE_MAX_ROWS, defaults.REGENERATE_BATCH_FIXED_TOKENS)
+                                   defaults.REGENERATE_MAX_ROWS, self.options.batch_fixed_tokens)
         for start, end in runs:
             yield prompts[start:end]
 

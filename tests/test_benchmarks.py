@@ -183,8 +183,9 @@ def test_quality_benchmark_compares_with_the_reference_on_the_first_prompts_only
         assert result["dflashq_tau_on_those"] == result["reference_tau"] >= 1.0
 
 
-def test_regenerate_benchmark_compares_engine_processes_and_decoders_on_the_same_records():
+def test_regenerate_benchmark_compares_engines_decoders_and_batch_plans_on_the_same_records():
     report, _ = bench("regenerate.py", "--tiny", "--static")
+    assert report["whole"] is False
     for name in ("processes_1", "processes_2", "static"):
         result = report[name]
         assert result["regenerated"] == report["records"] == 12 and result["failed"] == result["rejected"] == 0
@@ -193,6 +194,13 @@ def test_regenerate_benchmark_compares_engine_processes_and_decoders_on_the_same
         assert result["same_records_as_first"] == 12
     split = report["static"]["static_decoder_seconds"]  # the CPU captures no graph
     assert split["prompt"] > 0 and split["decode"] > 0 and "capture" not in split and split["row_steps"] >= 12
+    # --whole keeps every turn; each --batch-fixed-tokens value is a static run: every row alone (0) or batches packed
+    # full (1e12) write the same float32 greedy turns, more tokens than the first turns alone
+    whole, _ = bench("regenerate.py", "--tiny", "--whole", "--batch-fixed-tokens", "0,1e12")
+    alone, packed = whole["static_fixed_0"], whole["static_fixed_1000000000000"]
+    assert whole["whole"] is True and alone["regenerated"] == packed["regenerated"] == whole["records"] == 12
+    assert alone["same_records_as_first"] == packed["same_records_as_first"] == 12
+    assert alone["generated_tokens"] == packed["generated_tokens"] > report["static"]["generated_tokens"]
 
 
 def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():

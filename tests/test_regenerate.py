@@ -566,6 +566,7 @@ def test_settings_reach_the_endpoint(tmp_path, chat_server):
     ("regenerate.timeout_seconds", "0", "regenerate.timeout_seconds must be more than 0"),
     ("regenerate.retries", "-1", "regenerate.retries must be 0 or more"),
     ("regenerate.batch_tokens", "-1", "regenerate.batch_tokens must be at least 1"),
+    ("regenerate.batch_fixed_tokens", "-1", "regenerate.batch_fixed_tokens must be 0 or more"),
     ("regenerate.enable_thinking", "maybe", "not a valid bool"),
     ("regenerate.max_new_tokens", "many", "not a valid int"),
 ])
