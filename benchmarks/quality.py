@@ -37,6 +37,9 @@ from benchmarks.host import cpu  # noqa: E402
 from dflashq import settings as settings_module  # noqa: E402
 
 PHASES = ("model", "prompts", "regenerate", "up", "eval")
+# the issue's goal: tau on MT-Bench and HumanEval within this many GPU-minutes from the GGUF to the measured tau
+GOAL = {"mt_bench": 2.5, "humaneval": 3.0, "gpu_minutes": 25.0}
+GPU_PHASES = ("model", "regenerate", "up", "eval")  # the prompts are written on the CPU
 
 
 def package_file(package: str, *parts: str) -> Path:
@@ -145,6 +148,23 @@ def phase_prompts(work: Path, args) -> dict:
     return {"conversations": len(records)}
 
 
+def end_to_end(state: dict) -> dict:
+    """The GPU minutes of each device phase done so far; once all are done, their total and whether the goal was
+    reached. A regeneration reused from --regenerated counts as --regenerated-seconds, the time that file took to
+    make (without it the total is unknown: reuse hides the cost)."""
+    minutes = {phase: round(state[phase]["seconds"] / 60, 2) for phase in GPU_PHASES if phase in state}
+    reused = state.get("regenerate", {}).get("reused")
+    if reused:
+        seconds = state["regenerate"]["reused_seconds"]
+        minutes["regenerate"] = round(seconds / 60, 2) if seconds is not None else None
+    result = {"minutes": minutes, "regenerate_counted": "--regenerated-seconds" if reused else "this run", "goal": GOAL}
+    if len(minutes) == len(GPU_PHASES) and None not in minutes.values():
+        total = round(sum(minutes.values()), 2)
+        taus = {name: state["eval"][name]["dflashq_tau"] for name in ("mt_bench", "humaneval")}
+        result.update(total=total, reached=total <= GOAL["gpu_minutes"] and all(taus[k] >= GOAL[k] for k in taus))
+    return result
+
+
 def phase_regenerate(work: Path, args, settings) -> dict:
     from producers.engine_processes import local_engine
     from producers.regenerate import regenerate
@@ -154,7 +174,9 @@ def phase_regenerate(work: Path, args, settings) -> dict:
         report = regenerate(settings, [str(work / "sharegpt.jsonl")], settings.data.paths[0], engine, progress=True)
     return {"regenerated": report.regenerated + report.already_done, "rejected": report.rejected,
             "failed": report.failed, "generated_tokens": report.tokens,
-            "generated_tokens_per_s": round(report.tokens_per_second, 1)}
+            "generated_tokens_per_s": round(report.tokens_per_second, 1),
+            # what an earlier run's records cost to make, for the end-to-end minutes
+            "reused": args.regenerated, "reused_seconds": args.regenerated_seconds}
 
 
 def phase_up(work: Path, args, settings) -> dict:
@@ -372,6 +394,9 @@ def main() -> None:
                              "records count as done (e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz "
                              "for --conversations 3000 --response-tokens 256, or ...-16965.jsonl.gz for all that fit, "
                              "--response-tokens 256)")
+    parser.add_argument("--regenerated-seconds", type=float, default=None,
+                        help="the GPU seconds the --regenerated file took to make, counted in the end-to-end minutes "
+                             "(e.g. 360.5 for ...-16965-h100.jsonl.gz, measured on an H100)")
     parser.add_argument("--stop-after", choices=PHASES, default=None,
                         help="end after this phase; a later run goes on from the next (e.g. the eval on another machine)")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
@@ -413,7 +438,7 @@ def main() -> None:
     # the recipe itself, not only the command: the defaults change between runs (benchmarks/tau_scaling.py reads it)
     recipe = {k: getattr(settings.train, k) for k in ("epochs", "num_anchors", "learning_rate", "micro_batch_tokens")}
     print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
-                      "cpu": cpu(), "train": recipe, **state}))
+                      "cpu": cpu(), "train": recipe, **state, "end_to_end": end_to_end(state)}))
 
 
 if __name__ == "__main__":
