@@ -125,24 +125,27 @@ class TransformersEngine:
 
     def respond(self, histories: list[Conversation]) -> list[Reply]:
         replies: list[Reply | None] = [None] * len(histories)
-        prompts = []
+        texts = []
         for index, history in enumerate(histories):
             try:
-                prompts.append((index, self._prompt_ids(history)))
+                texts.append((index, self._prompt_text(history)))
             except (jinja2.TemplateError, ValueError, TypeError) as exc:
                 replies[index] = Reply(error=f"chat template error: {exc}")
+        # one call for the whole pool: the fast tokenizer spreads it over the cores while the device waits (one call
+        # per history took 5.3 s for 3,384 histories on 2 cores, one call 3.0 s)
+        ids = self.tokenizer([text for _, text in texts], add_special_tokens=False)["input_ids"] if texts else []
+        prompts = [(index, row) for (index, _), row in zip(texts, ids)]  # the template renders BOS itself
         prompts.sort(key=lambda item: len(item[1]), reverse=True)  # longest first: out of memory shows at once
         for batch in self._batches(prompts):
             for (index, _), reply in zip(batch, self._generate([ids for _, ids in batch])):
                 replies[index] = reply
         return replies
 
-    def _prompt_ids(self, history: Conversation) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
+    def _prompt_text(self, history: Conversation) -> str:
+        return self.tokenizer.apply_chat_template(
             history.messages, tools=history.tools, tokenize=False, add_generation_prompt=True,
             enable_thinking=self.options.enable_thinking,
         )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template renders BOS itself
 
     def _batches(self, prompts: list[tuple[int, list[int]]]):
         """The longest-first prompts in consecutive runs of least total cost (producers/decode_batches.py)."""
