@@ -29,7 +29,7 @@ from benchmarks.quality import eval_prompt_sets, shard_rows  # noqa: E402
 from dflashq import settings as settings_module  # noqa: E402
 from dflashq.blob import decode_blob, encode_blob  # noqa: E402
 from dflashq.capture import HiddenStateCapture  # noqa: E402
-from dflashq.chunk import Sample, pack  # noqa: E402
+from dflashq.chunk import Sample, pack, sample_range  # noqa: E402
 from dflashq.target import load_target  # noqa: E402
 from producers.loss_mask import end_of_turn_marker  # noqa: E402
 from producers.produce import tokenized  # noqa: E402
@@ -93,13 +93,12 @@ def logged_chunks(settings, steps: int) -> list[tuple[dict, list[Sample]]]:
     data (every epoch packs alike)."""
     log = [json.loads(line) for line in Path(settings.store.path, settings.run, settings.train.log_file).read_text().splitlines()]
     last = [r for r in log if "acc" in r][-steps:]
-    # a chunk id ends in its first and last sample's index (dflashq.chunk.chunk_id)
-    wanted = {tuple(r["chunks"][0].rsplit("-", 2)[1:]): r for r in last if len(r["chunks"]) == 1}
+    wanted = {sample_range(r["chunks"][0]): r for r in last if len(r["chunks"]) == 1}
     samples = (Sample(result.input_ids, result.loss_mask, index)
                for index, _, result in tokenized(settings) if result.kept)
     found = []
     for group in pack(samples, settings.data.chunk_tokens, settings.data.sort_window):
-        record = wanted.get((f"{group[0].index:09d}", f"{group[-1].index:09d}"))
+        record = wanted.get((group[0].index, group[-1].index))
         if record:
             found.append((record, group))
     return found

@@ -30,6 +30,12 @@ def chunk_id(run: str, data_fingerprint: str, epoch: int, first: int, last: int)
     return f"{run}-e{epoch}-{data_fingerprint[:12]}-{first:09d}-{last:09d}"
 
 
+def sample_range(chunk: str) -> tuple[int, int]:
+    """The first and last sample index a chunk_id names."""
+    first, last = chunk.rsplit("-", 2)[1:]
+    return int(first), int(last)
+
+
 @dataclasses.dataclass
 class Chunk:
     id: str

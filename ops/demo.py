@@ -21,7 +21,7 @@ from producers.regenerate import regenerate
 from producers.sample_data import sample_conversations, write_sample_data
 from trainer import checkpoint
 from trainer.evaluate import evaluate_prompts
-from trainer.export import export_checkpoint, export_path
+from trainer.export import export_once
 from workers.tiny_model import CHAIN_WORDS, make_learnable, write_tiny_model
 
 RESPONSE_TOKENS = 24
@@ -102,9 +102,7 @@ def _run(settings, root: Path, workers: int) -> dict:
     if not supervisor.run_until_done():
         raise DflashqError("The demo was stopped before training finished; run `dflashq demo` again to resume it.")
     latest = checkpoint.latest(run.store.path("checkpoints"))
-    exported = export_path(latest)
-    if not exported.exists():
-        export_checkpoint(latest, exported)
+    exported = export_once(latest)
     console.print(f"3/4 export: {exported}")
     prompts = [conv["messages"][0]["content"] for conv in sample_conversations(4, seed=99)]
     report = evaluate_prompts(settings.model.path, exported, prompts, max_new_tokens=RESPONSE_TOKENS, progress=True)

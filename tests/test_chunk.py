@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflashq.chunk import Chunk, Sample, micro_batches, pack, padding_fraction
+from dflashq.chunk import Chunk, Sample, chunk_id, micro_batches, pack, padding_fraction, sample_range
 
 
 def samples(n=600, seed=0):
@@ -51,3 +51,8 @@ def test_power_of_two_rows_repeat_shapes_without_adding_padding():
     # smaller batches are each padded to their own longest sample: no more padding than the greedy batching
     chunks = list(pack(samples(), 16384, 256))
     assert padding_fraction(chunks, 16384, 64, power_of_two_rows=True) <= padding_fraction(chunks, 16384, 64)
+
+
+def test_a_chunk_id_names_its_sample_range():
+    """The run and fingerprint may hold dashes; the id's last two fields are still the range it was made from."""
+    assert sample_range(chunk_id("my-run", "ab-cd" * 4, 3, 7, 123456)) == (7, 123456)

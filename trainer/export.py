@@ -87,6 +87,12 @@ def export_path(checkpoint_dir: str | Path) -> Path:
     return checkpoint_dir.parent.parent / f"drafter-{checkpoint_dir.name}"
 
 
+def export_once(checkpoint_dir: str | Path) -> Path:
+    """The checkpoint's export at export_path, written by the first call (a rerun of `up` or the demo reuses it)."""
+    target = export_path(checkpoint_dir)
+    return target if target.exists() else export_checkpoint(checkpoint_dir, target)
+
+
 def config_from_export(config: dict) -> DrafterConfig:
     """DrafterConfig of an exported config.json; configs without layer_types (older releases) are all full attention."""
     dflash = config["dflash_config"]

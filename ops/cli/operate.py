@@ -66,7 +66,7 @@ def up(settings, num_workers, trainer_device, trainer_gpus, no_live):
     from ops.placement import place
     from ops.supervisor import Supervisor
     from trainer import checkpoint
-    from trainer.export import export_checkpoint, export_path
+    from trainer.export import export_once
 
     run = open_run(settings)
     placement = place(run, torch.cuda.device_count(), num_workers, trainer_device, trainer_gpus)
@@ -78,8 +78,7 @@ def up(settings, num_workers, trainer_device, trainer_gpus, no_live):
     exported = None
     latest = checkpoint.latest(run.store.path("checkpoints"))
     if done and latest is not None:
-        target = export_path(latest)
-        exported = str(target if target.exists() else export_checkpoint(latest, target))
+        exported = str(export_once(latest))
     summary = supervisor.summary(exported)
     table = Table(title=f"run '{settings.run}' " + ("done" if done else "stopped"), show_header=False)
     for key, value in summary.items():
