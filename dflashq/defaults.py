@@ -63,7 +63,7 @@ REGENERATE_CPU_BATCH_TOKENS = 65536  # batch_tokens 0 on the CPU
 # transformers engine: what one more decode batch costs, in cached tokens (rows x (longest prompt + max_new_tokens)):
 # a batch is cut where padding its rows to the longest would cost more (producers/decode_batches.py). Measured on an
 # H100, SmolLM2-135M, 2,000 of the quality benchmark's conversations: a batch took about 1 s + 5 us x rows x width,
-# i.e. the fixed part is worth about 200k cached tokens (a bare decode step: 3.7 ms + 9 ns x rows x width). A larger
+# i.e. the fixed part is worth about 200k cached tokens (a bare decode step of random SmolLM2-shaped weights on an H200: about 3.7 ms + 9 ns x rows x width). A larger
 # target reads more cache per token, so its fixed part is worth fewer tokens; a very large value packs batches full.
 REGENERATE_BATCH_FIXED_TOKENS = 200_000
 # transformers engine: processes sharing the device (generate is bound by the core launching its kernels)
