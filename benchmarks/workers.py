@@ -17,9 +17,12 @@ workers start paused and are let go together once every one of them is up and ev
 Each phase is its own run (its own chunks) in the same Redis and store; the model is loaded by every worker process
 from --model (a Transformers folder), as a user's workers load it.
 --shape qwen3.6-27b writes a random-weight Qwen3.6-27B-shaped text model (54 GB of bf16 shards, the Qwen3 tokenizer)
-under --tmp first and measures with it: a restart then loads that size from disk.
-Usage: python benchmarks/workers.py [--tiny] [--model DIR | --shape qwen3.6-27b] [--data FILE] [--workers 2] [--chunks 8]
-                                    [--phases one,n,restart]
+under --tmp first and measures with it: a restart then loads that size from disk. --shape smollm2 writes a random
+SmolLM2-135M-shaped Llama (its vocabulary widened to the Qwen3 tokenizer's): a target whose forward is so cheap that
+the worker's blob writers (`--writers`, `--writer-threads`) bound extraction. Phases one and n also report the rate
+up to the last blob's announcement (the results stream's own timestamp): a worker's last writes outlast its last job.
+Usage: python benchmarks/workers.py [--tiny] [--model DIR | --shape qwen3.6-27b|smollm2] [--data FILE] [--workers 2]
+                                    [--chunks 8] [--phases one,n,restart] [--writers 2] [--writer-threads 4]
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch  # noqa: E402
 from rq import Worker  # noqa: E402
 from rq.job import Job  # noqa: E402
 
-from dflashq import settings as settings_module  # noqa: E402
+from dflashq import defaults, settings as settings_module  # noqa: E402
 from dflashq.run import Run  # noqa: E402
 from ops import control  # noqa: E402
 from ops.launch import settings_args  # noqa: E402
@@ -57,21 +60,32 @@ from producers.records import data_fingerprint  # noqa: E402
 from producers.sample_data import write_sample_data  # noqa: E402
 from workers.worker import EXIT_RESTART, worker_name  # noqa: E402
 from benchmarks.extract import QWEN36_27B, qwen35_text_config  # noqa: E402
+from benchmarks.train import SMOLLM2  # noqa: E402
 
 PHASES = ("one", "n", "restart")
 
 
-def write_random_target(folder: Path, shape: dict, device: str) -> str:
-    """A random-weight Qwen3.5/3.6 text model of `shape` saved as a Transformers folder (bf16 safetensors shards) with
-    the Qwen3 tokenizer, so that workers load real weights from disk, as a user's do (the 27B shape: 54 GB). Built on
-    `device`; the tokenizer's ids fit any vocabulary of at least its 151,936 rows."""
+def target_config(shape: str):
+    """The config of a --shape; the Qwen3 tokenizer's ids fit a vocabulary of at least its 151,936 rows."""
+    if shape == "smollm2":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**{**SMOLLM2, "vocab_size": 151936}, head_dim=64, tie_word_embeddings=True,
+                           max_position_embeddings=8192)
+    return qwen35_text_config(QWEN36_27B)
+
+
+def write_random_target(folder: Path, config, device: str) -> str:
+    """A random-weight model of `config` saved as a Transformers folder (bf16 safetensors shards) with the Qwen3
+    tokenizer, so that workers load real weights from disk, as a user's do (the 27B shape: 54 GB). Built on
+    `device`."""
     from transformers import AutoModelForCausalLM
 
     from workers.tiny_model import copy_tokenizer_files
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(qwen35_text_config(shape), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="5GB")
     copy_tokenizer_files(str(folder))
     del model
@@ -97,7 +111,8 @@ class Bench:
             ("data.paths", args.data), ("data.max_length", args.max_length), ("data.chunk_tokens", args.chunk_tokens),
             ("data.tokenize_processes", 1), ("store.codec", args.codec),
             ("backpressure.max_backlog", 1_000_000), ("backpressure.max_store_bytes", 1 << 50),
-            ("workers.heartbeat_seconds", 0.5),
+            ("workers.heartbeat_seconds", 0.5), ("workers.writers", args.writers),
+            ("workers.writer_threads", args.writer_threads),
         ], environ={})
 
     def new_run(self, run_name: str) -> Run:
@@ -157,9 +172,16 @@ class Bench:
             proc.wait(timeout=300)
         jobs = self.jobs(run)
         wall = max(j["ended"] for j in jobs) - min(j["started"] for j in jobs)
+        # the stream entry id's first part is the Redis server's clock in ms at the announcement (same host)
+        announced = int(run.conn.xrevrange(run.keys.results, count=1)[0][0].split(b"-")[0]) / 1000
+        to_announced = announced - min(j["started"] for j in jobs)
         tokens = sum(j["tokens"] for j in jobs)
+        progress = [json.loads(v) for v in run.conn.hvals(run.keys.workers)]
         return {"workers": workers, "chunks": len(jobs), "tokens": tokens, "seconds": round(wall, 2),
                 "tokens_per_s": round(tokens / wall, 1),
+                "seconds_to_last_announced": round(to_announced, 2),
+                "tokens_per_s_to_last_announced": round(tokens / to_announced, 1),
+                "seconds_per_chunk": [w.get("seconds_per_chunk") for w in progress],
                 "chunks_per_worker": dict(collections.Counter(j["worker"] for j in jobs))}
 
     def alive(self, procs: list[subprocess.Popen], phase: str) -> None:
@@ -229,7 +251,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model and CPU workers (checks the script)")
     parser.add_argument("--model", default=None, help="the target's Transformers folder (or --shape, or --tiny)")
-    parser.add_argument("--shape", choices=["qwen3.6-27b"], default=None,
+    parser.add_argument("--shape", choices=["qwen3.6-27b", "smollm2"], default=None,
                         help="instead of --model: a random-weight model of that shape written to --tmp with the Qwen3 tokenizer")
     parser.add_argument("--tmp", default=None, help="folder for the model, Redis and the store [a new temporary folder]")
     parser.add_argument("--data", default=None, help="conversations JSONL [the built-in samples]")
@@ -241,6 +263,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--phases", default=",".join(PHASES))
+    parser.add_argument("--writers", type=int, default=defaults.WRITERS, help="workers.writers")
+    parser.add_argument("--writer-threads", type=int, default=defaults.WRITER_THREADS,
+                        help="workers.writer_threads (zstd's threads per blob)")
     parser.add_argument("--logs", default=None, help="copy the workers' logs into this folder before --tmp is removed")
     args = parser.parse_args()
     phases = [p for p in args.phases.split(",") if p]
@@ -251,7 +276,7 @@ def main() -> None:
     try:
         if args.shape:
             started = time.perf_counter()
-            args.model = write_random_target(tmp / "model", QWEN36_27B, "cuda" if torch.cuda.is_available() else "cpu")
+            args.model = write_random_target(tmp / "model", target_config(args.shape), "cuda" if torch.cuda.is_available() else "cpu")
             written = time.perf_counter()
             # the page cache would otherwise write the shards back for minutes while the workers run, and every blob's
             # fsync would queue behind it: a user's model has long been on disk
@@ -265,7 +290,7 @@ def main() -> None:
             args.chunk_tokens, args.max_length, args.chunks, args.restart_after = 512, 256, 2, 2
             args.conversations = 200
         elif not args.model:
-            sys.exit("pass --model DIR (a Transformers folder), --shape qwen3.6-27b, or --tiny")
+            sys.exit("pass --model DIR (a Transformers folder), --shape qwen3.6-27b|smollm2, or --tiny")
         if not args.data:
             args.data = str(write_sample_data(tmp / "data.jsonl", n=args.conversations))
         if args.workers is None:

@@ -66,6 +66,7 @@ class WorkersSettings:
     job_timeout: int = defaults.JOB_TIMEOUT
     compress_level: int = defaults.COMPRESS_LEVEL
     writer_threads: int = defaults.WRITER_THREADS
+    writers: int = defaults.WRITERS
     fused_kernels: bool = defaults.FUSED_KERNELS
     max_splits: int = defaults.MAX_SPLITS
 

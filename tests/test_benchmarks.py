@@ -217,6 +217,9 @@ def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
     assert sum(one["chunks_per_worker"].values()) == one["chunks"] and len(two["chunks_per_worker"]) == 2
     assert 0 < one["tokens_per_s"] and 0 < two["tokens_per_s"] and report["scaling"] == pytest.approx(
         two["tokens_per_s"] / (2 * one["tokens_per_s"]), abs=1e-3)
+    # the last blob is announced after the last job ends (its writer outlasts it), each worker's chunk times beside
+    assert one["seconds_to_last_announced"] >= one["seconds"] - 0.01 and len(two["seconds_per_chunk"]) == 2
+    assert one["tokens_per_s_to_last_announced"] == pytest.approx(one["tokens"] / one["seconds_to_last_announced"], rel=0.01)
     # the warm restart: the old process finished its chunks, the new one took the rest
     assert restart["chunks_before"] >= 2 and restart["chunks_after"] >= 1
     assert 0 < restart["restart_gap_seconds"] < 120 and 0 < restart["first_start_seconds"] < 120
@@ -271,17 +274,20 @@ def test_random_target_of_a_shape_is_a_folder_the_workers_load(tmp_path):
     with the Qwen3 tokenizer, for a restart to load from disk; checked here at the tiny shape."""
     from transformers import AutoTokenizer
 
-    from benchmarks.extract import TINY
-    from benchmarks.workers import write_random_target
+    from benchmarks.extract import TINY, qwen35_text_config
+    from benchmarks.workers import target_config, write_random_target
     from dflashq.target import load_target
 
-    folder = write_random_target(tmp_path / "model", dict(TINY, vocab_size=151936), "cpu")
+    folder = write_random_target(tmp_path / "model", qwen35_text_config(dict(TINY, vocab_size=151936)), "cpu")
     assert list((tmp_path / "model").glob("*.safetensors"))
     model = load_target(folder)
     assert model.config.num_hidden_layers == 8 and model.config.layer_types[3::4] == ["full_attention"] * 2
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, return_dict=True)["input_ids"]
     assert 0 < max(ids) < model.config.vocab_size
+    # --shape smollm2: SmolLM2-135M's layers under a vocabulary the same tokenizer's ids fit
+    smollm2 = target_config("smollm2")
+    assert (smollm2.model_type, smollm2.hidden_size, smollm2.num_hidden_layers, smollm2.vocab_size) == ("llama", 576, 30, 151936)
 
 
 def test_tau_scaling_fit_recovers_a_known_power_law_and_its_goal(tmp_path):

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from producers.records import data_fingerprint
 from producers.sample_data import write_sample_data
 from dflashq.capture import decoder_layers
 from workers.extract import Extractor
+from workers.recovery import unannounced_key
 from workers.verify import verify_samples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,6 +249,40 @@ def test_out_of_memory_chunk_is_split_and_retried(tmp_path, redis_url, tiny_qwen
         extractor.close()
     assert result["samples"] == 8 and max(calls) > 2 and calls[-1] <= 2
     assert stream_chunks(run.conn, run.keys) == ["w-e0-oom-000000000-000000007"]
+
+
+@pytest.mark.parametrize("writers", [1, 2])
+def test_writers_write_blobs_at_once_and_bound_the_chunks_in_flight(tmp_path, redis_url, tiny_qwen35, writers):
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"workers.writers": writers})
+    run = Run.open(settings)
+    extractor = Extractor(run, "writers-test", "cpu")
+    write_atomic, lock, writing, most = run.store.write_atomic, threading.Lock(), [0], [0]
+
+    def slow_write(path, data):  # the real write, held long enough for writes to overlap
+        with lock:
+            writing[0] += 1
+            most[0] = max(most[0], writing[0])
+        time.sleep(0.3)
+        try:
+            return write_atomic(path, data)
+        finally:
+            with lock:
+                writing[0] -= 1
+
+    run.store.write_atomic = slow_write
+    rng = np.random.default_rng(0)
+    ids = [f"w-e0-writers-{i:09d}-{i:09d}" for i in range(6)]
+    in_flight = []
+    try:
+        for chunk_id in ids:
+            extractor.run(Chunk(chunk_id, 0, [Sample(rng.integers(0, 1000, 40).astype(np.int32), np.ones(40, np.uint8), 0)]))
+            in_flight.append(run.conn.scard(unannounced_key(run.keys, "writers-test")))
+        extractor.flush()
+    finally:
+        extractor.close()
+    assert most[0] == writers  # as many blobs written at once as there are writers, never more
+    assert max(in_flight) == writers + 1  # and one more handed over, waiting for a writer
+    assert sorted(stream_chunks(run.conn, run.keys)) == ids
 
 
 def test_chunk_that_keeps_failing_lands_in_failed_registry_with_reason(tmp_path, redis_url, tiny_qwen35):

@@ -79,10 +79,12 @@ class Extractor:
         self.level = settings.workers.compress_level
         self.codec = settings.store.codec
         self.threads = max(1, settings.workers.writer_threads)
-        # Two chunks in flight at most: the one being written and the one being computed; each has a buffer.
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-writer")
-        self.pending: list[concurrent.futures.Future] = []
-        self._pinned: list[torch.Tensor | None] = [None, None]
+        writers = max(1, settings.workers.writers)
+        # Bounded: `writers` blobs being written and one waiting for a writer, each in its own host buffer (slot);
+        # a chunk copies into the slot whose last write has finished.
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=writers, thread_name_prefix="blob-writer")
+        self._pinned: list[torch.Tensor | None] = [None] * (writers + 1)
+        self._writes: list[concurrent.futures.Future | None] = [None] * (writers + 1)  # each slot's last write
         self._slot = 0
         self._announce = run.conn.register_script(_ANNOUNCE)
         self._lock = threading.Lock()
@@ -120,11 +122,10 @@ class Extractor:
         raise AssertionError("unreachable")
 
     def _to_host(self, planes: torch.Tensor) -> torch.Tensor:
-        """Copy to a reusable pinned buffer (on CPU the planes already are host memory). The caller has waited
-        for the write that last used this buffer."""
+        """Copy to the pinned buffer of slot `self._slot` (on CPU the planes already are host memory). The caller
+        has waited for the write that last used this buffer."""
         if self.device.type != "cuda":
             return planes
-        self._slot ^= 1
         buf = self._pinned[self._slot]
         if buf is None or buf.numel() < planes.numel():
             buf = self._pinned[self._slot] = torch.empty(planes.numel(), dtype=torch.uint8, pin_memory=True)
@@ -166,8 +167,8 @@ class Extractor:
         else:
             planes = shuffle_bytes(hidden)  # [itemsize, N, K, H] uint8, shuffled on the device
         waited_from = time.perf_counter()
-        while len(self.pending) >= 2:  # bounded: one blob being written while this one is computed
-            self.pending.pop(0).result()
+        self._slot = (self._slot + 1) % len(self._writes)
+        self._wait_write(self._slot)
         with self._lock:
             self.seconds["writer_wait"] += time.perf_counter() - waited_from
         host = self._to_host(planes)
@@ -178,10 +179,10 @@ class Extractor:
             done.record()
         conn, keys = self.run_ctx.conn, self.run_ctx.keys
         conn.sadd(unannounced_key(keys, self.worker_name), chunk.id)
-        future = self.pool.submit(self._write, chunk, host, hidden.dtype, done, fp8)
-        for f in [f for f in self.pending if f.done()]:
-            f.result()  # surface a failed write of an earlier chunk
-        self.pending = [f for f in self.pending if not f.done()] + [future]
+        self._writes[self._slot] = self.pool.submit(self._write, chunk, host, hidden.dtype, done, fp8)
+        for slot, future in enumerate(self._writes):
+            if slot != self._slot and future is not None and future.done():
+                self._wait_write(slot)  # surface a failed write of an earlier chunk
         # the GPU work a job queues is done by the time a later job has waited for its writes: over many jobs this
         # is the time the device was busy
         self.busy_seconds += time.perf_counter() - busy_from
@@ -244,9 +245,14 @@ class Extractor:
 
     def flush(self) -> None:
         """Wait until every blob handed to the writer is written and announced (warm shutdown)."""
-        for future in self.pending:
+        for slot in range(len(self._writes)):
+            self._wait_write(slot)
+
+    def _wait_write(self, slot: int) -> None:
+        """Wait for the last write from `slot`'s buffer, raising its failure once."""
+        future, self._writes[slot] = self._writes[slot], None
+        if future is not None:
             future.result()
-        self.pending = []
 
     def close(self) -> None:
         global _active
