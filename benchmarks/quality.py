@@ -238,7 +238,7 @@ def eval_prompt_sets(limit: int) -> dict[str, list[str]]:
 
 def phase_eval(work: Path, args, settings) -> dict:
     """Both loops on every prompt, in `--eval-processes` processes sharing the device: at batch size 1 a small target
-    leaves the GPU mostly idle between kernel launches, so shards overlap. Prompt i goes to shard i % processes; each
+    leaves the GPU mostly idle between kernel launches, so shards overlap. Prompts go to shards by eval_shards; each
     shard writes a line per prompt as it finishes, so a rerun goes on from the last prompt done."""
     shards = work / "eval"
     shards.mkdir(exist_ok=True)
@@ -290,18 +290,37 @@ def shard_rows(path: Path) -> dict[tuple[str, int], dict]:
     return rows
 
 
+def eval_shards(prompt_sets: dict[str, list[str]], args) -> dict[tuple[str, int], int]:
+    """The shard of each (benchmark, prompt index), balancing the decoding loops each shard runs: every prompt runs
+    dflashq eval, the first --reference-prompts also the reference loop, the first --lossless-prompts also plain
+    greedy decoding. Costliest first, each to the least loaded shard; the eval lasts as long as its slowest shard
+    (dealt out by index, the shards holding the first prompts had a third more to do than the others)."""
+    def loops(index: int) -> int:
+        return 1 + (args.reference_prompts is None or index < args.reference_prompts) + (index < args.lossless_prompts)
+
+    prompts = sorted(((name, i) for name, texts in prompt_sets.items() for i in range(len(texts))),
+                     key=lambda key: -loops(key[1]))  # stable: in order within a cost
+    load, shard_of = [0] * args.eval_processes, {}
+    for key in prompts:
+        shard_of[key] = min(range(len(load)), key=load.__getitem__)
+        load[shard_of[key]] += loops(key[1])
+    return shard_of
+
+
 def eval_shard(work: Path, args, settings) -> None:
     """One shard of phase_eval: dflashq eval (checked against plain greedy decoding on the first --lossless-prompts
-    prompts) and the reference loop on prompts shard, shard + processes, ..., each appended to the shard's file."""
+    prompts) and the reference loop on the shard's prompts (eval_shards), each appended to the shard's file."""
     from trainer import checkpoint
     from trainer.evaluate import PromptEvaluator
     from trainer.export import export_path
 
-    shard, count = args.eval_shard, args.eval_processes
+    shard = args.eval_shard
     path = work / "eval" / f"shard-{shard}.jsonl"
     done = shard_rows(path)
-    todo = [(name, i, prompt) for name, prompts in eval_prompt_sets(args.eval_prompts).items()
-            for i, prompt in enumerate(prompts) if i % count == shard and (name, i) not in done]
+    prompt_sets = eval_prompt_sets(args.eval_prompts)
+    shard_of = eval_shards(prompt_sets, args)
+    todo = [(name, i, prompt) for name, prompts in prompt_sets.items()
+            for i, prompt in enumerate(prompts) if shard_of[(name, i)] == shard and (name, i) not in done]
     if not todo:
         return
     drafter = export_path(checkpoint.latest(work / "runs" / "quality" / "checkpoints"))

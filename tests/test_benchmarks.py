@@ -3,6 +3,8 @@ on the GPU; see the README's performance table)."""
 
 from __future__ import annotations
 
+import argparse
+import collections
 import gzip
 import json
 import math
@@ -366,3 +368,21 @@ def test_quality_reads_sharegpt_parts_from_their_first_human_turn_and_cuts_long_
         ("a_0", [10, 10]), ("a_1", [10, 10]), ("b_0", [20, 20]), ("e_0", [1] * 6)]
     assert records[0] == objects[0] and records[1]["conversations"][0]["from"] == "human"
     assert [r["id"] for r in sharegpt_records(path, limit=2, max_chars=80, max_turns=3)] == ["a_0", "a_1"]
+
+
+def test_quality_eval_shards_balance_the_decoding_loops_each_shard_runs():
+    """At the quality runs' settings (244 prompts, the reference loop on the first 24 of each benchmark, greedy decoding
+    on the first 4, 14 shards) every shard runs 21 or 22 loops; dealt out by index, shards 0-3 ran 24 and 10-13 18."""
+    from benchmarks.quality import eval_shards
+
+    prompt_sets = {"mt_bench": ["q"] * 80, "humaneval": ["p"] * 164}
+    args = argparse.Namespace(reference_prompts=24, lossless_prompts=4, eval_processes=14)
+    shard_of = eval_shards(prompt_sets, args)
+    assert sorted(shard_of) == sorted((name, i) for name, texts in prompt_sets.items() for i in range(len(texts)))
+    load = [0] * 14
+    for (_, i), shard in shard_of.items():
+        load[shard] += 1 + (i < 24) + (i < 4)
+    assert sum(load) == 244 + 48 + 8 and max(load) - min(load) <= 1
+    # --reference-prompts left out: the reference loop on every prompt
+    everywhere = eval_shards(prompt_sets, argparse.Namespace(reference_prompts=None, lossless_prompts=0, eval_processes=3))
+    assert sorted(collections.Counter(everywhere.values()).values()) == [81, 81, 82]
