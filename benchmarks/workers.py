@@ -171,10 +171,11 @@ class Bench:
         for proc in procs:
             proc.wait(timeout=300)
         jobs = self.jobs(run)
-        wall = max(j["ended"] for j in jobs) - min(j["started"] for j in jobs)
+        first = min(j["started"] for j in jobs)
+        wall = max(j["ended"] for j in jobs) - first
         # the stream entry id's first part is the Redis server's clock in ms at the announcement (same host)
         announced = int(run.conn.xrevrange(run.keys.results, count=1)[0][0].split(b"-")[0]) / 1000
-        to_announced = announced - min(j["started"] for j in jobs)
+        to_announced = announced - first
         tokens = sum(j["tokens"] for j in jobs)
         progress = [json.loads(v) for v in run.conn.hvals(run.keys.workers)]
         return {"workers": workers, "chunks": len(jobs), "tokens": tokens, "seconds": round(wall, 2),

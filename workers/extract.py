@@ -244,7 +244,7 @@ class Extractor:
             }))
 
     def flush(self) -> None:
-        """Wait until every blob handed to the writer is written and announced (warm shutdown)."""
+        """Wait until every blob handed to the writers is written and announced (warm shutdown)."""
         for slot in range(len(self._writes)):
             self._wait_write(slot)
 
