@@ -20,7 +20,8 @@ from --model (a Transformers folder), as a user's workers load it.
 under --tmp first and measures with it: a restart then loads that size from disk. --shape smollm2 writes a random
 SmolLM2-135M-shaped Llama (its vocabulary widened to the Qwen3 tokenizer's): a target whose forward is so cheap that
 the worker's blob writers (`--writers`, `--writer-threads`) bound extraction. Phases one and n also report the rate
-up to the last blob's announcement (the results stream's own timestamp): a worker's last writes outlast its last job.
+up to the last blob's announcement (the results stream's own timestamp): a worker's last writes can outlast its
+last job.
 Usage: python benchmarks/workers.py [--tiny] [--model DIR | --shape qwen3.6-27b|smollm2] [--data FILE] [--workers 2]
                                     [--chunks 8] [--phases one,n,restart] [--writers 2] [--writer-threads 4]
 """

@@ -219,8 +219,9 @@ def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
     assert sum(one["chunks_per_worker"].values()) == one["chunks"] and len(two["chunks_per_worker"]) == 2
     assert 0 < one["tokens_per_s"] and 0 < two["tokens_per_s"] and report["scaling"] == pytest.approx(
         two["tokens_per_s"] / (2 * one["tokens_per_s"]), abs=1e-3)
-    # the last blob is announced after the last job ends (its writer outlasts it), each worker's chunk times beside
-    assert one["seconds_to_last_announced"] >= one["seconds"] - 0.01 and len(two["seconds_per_chunk"]) == 2
+    # the rate up to the last blob's announcement beside it (on the CPU's tiny blobs a writer can finish before RQ
+    # records the job's end, so it is not always the later one), each worker's chunk times beside
+    assert one["seconds_to_last_announced"] > 0 and len(two["seconds_per_chunk"]) == 2
     assert one["tokens_per_s_to_last_announced"] == pytest.approx(one["tokens"] / one["seconds_to_last_announced"], rel=0.01)
     # the warm restart: the old process finished its chunks, the new one took the rest
     assert restart["chunks_before"] >= 2 and restart["chunks_after"] >= 1
