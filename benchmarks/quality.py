@@ -122,7 +122,6 @@ learning_rate = {args.learning_rate}
 num_anchors = {args.anchors}
 micro_batch_tokens = {args.micro_batch_tokens}
 attention = "{args.attention}"
-init = "{args.init}"
 """)
     return config
 
@@ -392,7 +391,6 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=6e-4)
     parser.add_argument("--anchors", type=int, default=128)
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
-    parser.add_argument("--init", choices=["random", "target"], default="random", help="train.init")
     # fp8 against bf16 on the same data: a second --work folder holding a copy of the first one's regenerated.jsonl
     # and state.json up to `regenerate`
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")
@@ -457,8 +455,7 @@ def main() -> None:
         if phase == args.stop_after:
             break
     # the recipe itself, not only the command: the defaults change between runs (benchmarks/tau_scaling.py reads it)
-    recipe = {k: getattr(settings.train, k) for k in ("epochs", "num_anchors", "learning_rate", "micro_batch_tokens",
-                                                     "init")}
+    recipe = {k: getattr(settings.train, k) for k in ("epochs", "num_anchors", "learning_rate", "micro_batch_tokens")}
     print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
                       "cpu": cpu(), "train": recipe, **state, "end_to_end": end_to_end(state)}))
 

@@ -130,8 +130,5 @@ DRAFTER_ATTENTION = (32, 8, 128)  # query heads, kv heads, head_dim
 # cache is cold), a dense-mask SDPA elsewhere; "sdpa" everywhere needs no compilation (small drafters, short runs)
 ATTENTION = "auto"
 OWN_ATTENTION_BELOW_HIDDEN = 1024
-ROPE_THETA = 10_000_000.0  # with INIT "target", the target's own base instead
-# "random": every drafter tensor from scratch; "target": layers (and final norm) copied from the target's last ones
-# where name and shape match (trainer/target_init.py), with the target's RoPE base
-INIT = "random"
+ROPE_THETA = 10_000_000.0
 SEED = 0

@@ -94,7 +94,6 @@ class TrainSettings:
     log_file: str = defaults.TRAIN_LOG
     sliding_window: int = defaults.SLIDING_WINDOW
     rope_theta: float = defaults.ROPE_THETA
-    init: str = defaults.INIT
     num_attention_heads: int = defaults.NUM_ATTENTION_HEADS
     num_key_value_heads: int = defaults.NUM_KEY_VALUE_HEADS
     head_dim: int = defaults.HEAD_DIM
@@ -298,7 +297,6 @@ def _validate(settings: Settings) -> None:
          "regenerate.decoder must be 'auto', 'static' or 'generate'"),
         (settings.train.chunks_per_step >= 1, "train.chunks_per_step must be at least 1"),
         (settings.train.parallel in ("ddp", "fsdp"), "train.parallel must be 'ddp' or 'fsdp'"),
-        (settings.train.init in ("random", "target"), "train.init must be 'random' or 'target'"),
         (settings.train.rank_timeout_seconds > settings.redis.outage_seconds,
          "train.rank_timeout_seconds must be longer than redis.outage_seconds (a rank riding out an outage must not time the others out)"),
         (set(settings.train.layer_types) <= {"full_attention", "sliding_attention"},

@@ -50,7 +50,6 @@ from trainer.ranks import Ranks
 from trainer.step import (WarmupCosine, backward, build_optimizer, collate, draw_blocks, empty_batch, loss_shares,
                           optimizer_step)
 from trainer.target_head import TargetHead
-from trainer.target_init import copy_target_layers, target_rope_theta
 
 
 @dataclasses.dataclass
@@ -103,22 +102,15 @@ class Trainer:
         mask = resolve_mask_token(model_path, s.mask_token_id, text["vocab_size"])
         shape = {name: getattr(s, name) for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                      "intermediate_size", "layer_types") if getattr(s, name)}
-        # a drafter started from the target's layers keeps the RoPE base their attention was trained with
-        rope_theta = (s.init == "target" and target_rope_theta(target_config)) or s.rope_theta
         config = DrafterConfig.default_for_target(target_config, s.num_layers, run.layer_ids, mask_token_id=mask.id,
                                                   block_size=s.block_size, sliding_window=s.sliding_window,
-                                                  rope_theta=rope_theta, **shape)
+                                                  rope_theta=s.rope_theta, **shape)
         first_choice = run.manifest.get("mask_token_id") is None  # recorded only once the config is known valid
         run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id})
         if first_choice and self.ranks.leader:  # said once per run; the manifest and the export keep it
             print(f"MASK token id {mask.id}: {mask.reason} (recorded in the run manifest).", flush=True)
         torch.manual_seed(s.seed)
         self.drafter = DFlashDrafter(config).to(self.device)  # fp32 master weights, the same on every rank
-        if s.init == "target":  # a resumed run's checkpoint overwrites these below
-            copied = copy_target_layers(self.drafter, model_path, target_config)
-            if self.ranks.leader and first_choice:
-                print(f"Drafter started from the target's last {config.num_layers} layers: {len(copied)} of "
-                      f"{len(self.drafter.state_dict())} tensors copied, the rest random.", flush=True)
         self.model = parallel.wrap(self.drafter, self.ranks, s.parallel, self.device)
         # horizon: train.total_steps, else the steps left for the chunks left of epoch 0's size (estimated or counted)
         self.schedule = WarmupCosine(s.warmup_ratio, s.total_steps or None)
