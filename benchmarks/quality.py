@@ -103,7 +103,6 @@ def write_config(work: Path, args) -> Path:
 path = "runs"
 codec = "{args.codec}"
 retention = "{args.retention}"
-target_topk = {args.target_topk}
 [model]
 path = "model"
 [data]
@@ -122,7 +121,6 @@ block_size = {args.block_size}
 learning_rate = {args.learning_rate}
 num_anchors = {args.anchors}
 micro_batch_tokens = {args.micro_batch_tokens}
-distill_weight = {args.distill_weight}
 attention = "{args.attention}"
 """)
     return config
@@ -401,9 +399,6 @@ def main() -> None:
     # 4x the chunk: each chunk is one micro-batch (2026-12-05, same host: 11% faster steps, and EAL 1.58 against
     # 1.45 after 2 epochs, the chunk's loss no longer a mean of unequal micro-batches' means)
     parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens")
-    parser.add_argument("--target-topk", type=int, default=0, help="store.target_topk: the target's next-token top-k in every blob")
-    parser.add_argument("--distill-weight", type=float, default=0.0,
-                        help="train.distill_weight: each slot's label on the target's top-k instead of its greedy token")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
     parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [CPU cores - 2 up to 12 on a GPU, else 1]")
@@ -460,9 +455,7 @@ def main() -> None:
         if phase == args.stop_after:
             break
     # the recipe itself, not only the command: the defaults change between runs (benchmarks/tau_scaling.py reads it)
-    recipe = {k: getattr(settings.train, k) for k in ("epochs", "num_anchors", "learning_rate", "micro_batch_tokens",
-                                                      "distill_weight")}
-    recipe["target_topk"] = settings.store.target_topk
+    recipe = {k: getattr(settings.train, k) for k in ("epochs", "num_anchors", "learning_rate", "micro_batch_tokens")}
     print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
                       "cpu": cpu(), "train": recipe, **state, "end_to_end": end_to_end(state)}))
 

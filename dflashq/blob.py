@@ -11,11 +11,6 @@ Codecs (the run's store.codec): `bf16` stores the target dtype's values lossless
 field existed); `fp8` (version 2) stores float8 e4m3 values with one fp32 scale per token and layer (`scales`
 [N, K], amax / 448, outside the compressed payload), and records the encoder's measured relative error per layer.
 Readers accept both versions.
-
-With the run's store.target_topk k > 0 a blob also holds the target's k most likely next tokens at every position,
-`topk_ids` int32 [N, k] and their log-probabilities `topk_logprobs` fp32 [N, k] (row t: the distribution of token
-t + 1), covered by the crc32; metadata `target_topk`. Readers of earlier blobs ignore them, and a blob without them
-reads as k = 0.
 """
 
 from __future__ import annotations
@@ -132,7 +127,6 @@ def encode_blob(
     codec: str = "bf16",
     scales=None,
     relative_error: list[float] | None = None,
-    topk: tuple | None = None,
 ) -> list[bytes | memoryview]:
     """Serialize one chunk; returns buffers for Store.write_atomic.
 
@@ -140,8 +134,7 @@ def encode_blob(
     [itemsize, N, K, H] output together with its original `dtype`. With codec fp8 a float `hidden` is quantized
     here; already quantized, it is quantize_fp8's values as byte planes [1, N, K, H] with their `scales` [N, K],
     `relative_error` and the target `dtype`. `meta` needs run, chunk_id, epoch, layer_ids.
-    `threads` is zstd's worker count (0: compress in the calling thread). `topk`: the target's next-token
-    (ids [N, k], log-probabilities [N, k]), or None.
+    `threads` is zstd's worker count (0: compress in the calling thread).
     """
     if codec not in CODEC_VERSIONS:
         raise ValueError(f"codec must be one of {sorted(CODEC_VERSIONS)}, not {codec!r}")
@@ -176,11 +169,6 @@ def encode_blob(
         if scales.shape != tuple(shape[:2]):
             raise ValueError(f"scales must be [N, K] = {shape[:2]}, not {list(scales.shape)}")
         small.append(scales)
-    if topk is not None:
-        topk = (_as_array(topk[0], np.int32), _as_array(topk[1], np.float32))
-        if topk[0].ndim != 2 or topk[0].shape[0] != shape[0] or topk[1].shape != topk[0].shape:
-            raise ValueError(f"topk ids and log-probabilities must both be [N, k] with N = {shape[0]}")
-        small.extend(topk)
     # zstd's own xxh64 content checksum covers the hidden states, computed in its worker threads (a separate
     # single-threaded crc over ~1 GB per chunk would stall the writer); crc32 covers the small tensors.
     compressed = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True).compress(planes)
@@ -199,15 +187,12 @@ def encode_blob(
         "compressor": f"{COMPRESSOR}:{level}",
         "checksum": _checksum(small),
     }
-    if topk is not None:
-        metadata["target_topk"] = str(topk[0].shape[1])
     if relative_error is not None:
         metadata["relative_error"] = json.dumps([round(float(e), 6) for e in relative_error])
     tensors = {
         "offsets": offs,
         "sample_index": index,
         **({"scales": scales} if scales is not None else {}),
-        **({"topk_logprobs": topk[1], "topk_ids": topk[0]} if topk is not None else {}),
         "input_ids": ids,
         "loss_mask": mask,
         "hidden_zstd": np.frombuffer(compressed, dtype=np.uint8),
@@ -238,8 +223,6 @@ class Blob:
     sample_index: torch.Tensor  # [S] int64
     metadata: dict[str, str]
     scales: torch.Tensor | None = None  # [N, K] fp32 per token and layer (codec fp8)
-    topk_ids: torch.Tensor | None = None  # [N, k] int32: the target's k likeliest next tokens (store.target_topk)
-    topk_logprobs: torch.Tensor | None = None  # [N, k] fp32: their log-probabilities
 
     @property
     def codec(self) -> str:
@@ -299,16 +282,6 @@ class Blob:
         bounds = self.offsets.tolist()
         for start, end in zip(bounds[:-1], bounds[1:]):
             yield hidden[start:end], self.input_ids[start:end], self.loss_mask[start:end]
-
-    def topk_samples(self, device: torch.device | str = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sample: the target's next-token top-k (ids [T, k] int32, log-probabilities [T, k] fp32) on `device`."""
-        if self.topk_ids is None:
-            raise BlobError(f"blob of chunk {self.chunk_id} holds no target top-k: its run was extracted with "
-                            "store.target_topk 0; extract a run with store.target_topk above 0 to distil from it.")
-        ids, logprobs = self.topk_ids.to(device), self.topk_logprobs.to(device)
-        bounds = self.offsets.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            yield ids[start:end], logprobs[start:end]
 
 
 def read_metadata(data: bytes | memoryview) -> dict[str, str]:
@@ -370,13 +343,12 @@ def decode_blob(data: bytes, pinned: bool = False) -> Blob:
         planes = _decompress(tensors["hidden_zstd"], planes_shape, pinned)
         others = [tensors[name] for name in ("input_ids", "loss_mask", "offsets", "sample_index")]
         scales = tensors["scales"] if fp8 else None
-        topk = [tensors["topk_ids"], tensors["topk_logprobs"]] if "target_topk" in metadata else []
     except Exception as exc:
         raise BlobError(f"blob of chunk {chunk} is corrupt ({type(exc).__name__}); re-extract the chunk.") from None
-    if _checksum(others + ([scales] if fp8 else []) + topk) != metadata["checksum"]:
+    if _checksum(others + ([scales] if fp8 else [])) != metadata["checksum"]:
         raise BlobError(f"blob of chunk {chunk} fails its checksum; re-extract the chunk.")
     return Blob(planes, *(torch.from_numpy(a) for a in others), metadata,
-                torch.from_numpy(scales) if fp8 else None, *(torch.from_numpy(a) for a in topk))
+                torch.from_numpy(scales) if fp8 else None)
 
 
 def blob_stats(blob: Blob) -> dict[int, dict[str, float]]:

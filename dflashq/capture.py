@@ -2,9 +2,7 @@
 decoder layer t). Shared by the workers (extraction, verification) and the trainer (speculative evaluation).
 
 With `stop_after_deepest` (extraction) the forward ends right after the deepest tapped layer: no later layer,
-final norm or logits run; the deepest layer's hook raises a private exception that `capture` catches. With `topk`
-(extraction for distillation, store.target_topk) it runs on through the final norm and ends just before the LM head,
-whose logits for every position would be [B, T, V] at once; `next_token_topk` computes them in row chunks instead.
+final norm or logits run; the deepest layer's hook raises a private exception that `capture` catches.
 """
 
 from __future__ import annotations
@@ -39,10 +37,9 @@ class HiddenStateCapture:
     stop_after_deepest=False lets the forward run on (for a caller that also needs the logits, and calls the
     model itself, then `take()`)."""
 
-    def __init__(self, model: torch.nn.Module, layer_ids: list[int], stop_after_deepest: bool = True, topk: int = 0):
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int], stop_after_deepest: bool = True):
         self.model = model
-        self.stop_after_deepest = stop_after_deepest and not topk
-        self.topk = topk
+        self.stop_after_deepest = stop_after_deepest
         self.layer_ids = [int(i) for i in layer_ids]
         layers = decoder_layers(model)
         bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
@@ -54,13 +51,6 @@ class HiddenStateCapture:
         self.deepest = max(self.layer_ids)
         self._outputs: dict[int, torch.Tensor] = {}
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
-        self.final: torch.Tensor | None = None  # [B, T, H]: the LM head's input in the last forward (with topk)
-        if topk:
-            self._handles.append(model.get_output_embeddings().register_forward_pre_hook(self._head_hook))
-
-    def _head_hook(self, module, args):
-        self.final = args[0]
-        raise _StopForward
 
     def _hook(self, layer_id: int):
         def hook(module, args, output):
@@ -81,22 +71,6 @@ class HiddenStateCapture:
         else:
             raise RuntimeError("the forward pass never reached the deepest tapped layer")
         return self.take()
-
-    @torch.inference_mode()
-    def next_token_topk(self, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last capture's `topk` likeliest next tokens at every position, from the LM head in chunks of `rows`
-        positions: ids [B, T, k] int32 and log-probabilities [B, T, k] fp32 (position t: the distribution of
-        token t + 1)."""
-        final, self.final = self.final, None
-        head = self.model.get_output_embeddings()  # called directly it would meet the hook
-        flat = final.reshape(-1, final.shape[-1])  # [B*T, H]
-        ids = torch.empty(flat.shape[0], self.topk, dtype=torch.int32, device=flat.device)  # [B*T, k]
-        logprobs = torch.empty(flat.shape[0], self.topk, dtype=torch.float32, device=flat.device)  # [B*T, k]
-        for start in range(0, flat.shape[0], rows):
-            logits = torch.nn.functional.linear(flat[start:start + rows], head.weight, head.bias).float()  # [r, V]
-            top = logits.log_softmax(-1).topk(self.topk, dim=-1)  # [r, k] x2
-            logprobs[start:start + rows], ids[start:start + rows] = top.values, top.indices
-        return ids.view(*final.shape[:2], -1), logprobs.view(*final.shape[:2], -1)
 
     def take(self) -> torch.Tensor:
         """The tapped states of the last forward: [B, T, K, H]."""

@@ -10,9 +10,6 @@ REDIS_OUTAGE_SECONDS = 300.0  # a lost connection is retried (with backoff) this
 STORE_PATH = "dflashq-runs"
 RETENTION = "delete"  # "delete": blob removed once trained; "keep": later epochs read the store
 CODEC = "bf16"  # hidden states in blobs: "bf16" (the target dtype, lossless) or "fp8" (e4m3 + a scale per token and layer)
-# the target's k most likely next tokens and their log-probabilities, kept per token in every blob (0: none): what
-# train.distill_weight trains against; 16 per token add 128 bytes to a SmolLM2 token's 5,760 of states
-TARGET_TOPK = 0
 
 # [model]
 MODEL_PATH = ""
@@ -103,9 +100,6 @@ WARMUP_RATIO = 0.04
 SDPA_GROUP_BLOCKS = 64
 UNKNOWN_HORIZON_WARMUP_STEPS = 50  # warm-up while the epoch's size is unknown (trainer.step.WarmupCosine)
 WEIGHT_DECAY = 0.0
-# the share of each slot's loss taken against the target's top-k next-token distribution (store.target_topk)
-# instead of its one greedy token: 0 is the reference recipe's hard cross-entropy
-DISTILL_WEIGHT = 0.0
 GRAD_CLIP = 1.0
 EPOCHS = 6
 TOTAL_STEPS = 0  # 0: estimated from the chunks admitted per epoch

@@ -44,17 +44,15 @@ def expected(settings, layer_ids: list[int] | None = None, data_fingerprint: str
         "data_fingerprint": data_fingerprint,
         "codec": settings.store.codec,
         "blob_format_version": CODEC_VERSIONS[settings.store.codec],
-        "target_topk": settings.store.target_topk,
     }
 
 
 # Fields a joining command must match; model_path may differ between hosts as long as the fingerprint agrees.
 # mask_token_id is added by the trainer (the drafter's MASK token, chosen once per run).
 CHECKED = ("model_fingerprint", "layer_ids", "max_length", "data_fingerprint", "codec", "blob_format_version",
-           "target_topk", "mask_token_id")
-# What a manifest written before a field existed meant by it: runs started before codecs stored bf16, before
-# top-k labels stored none.
-LEGACY = {"codec": "bf16", "target_topk": 0}
+           "mask_token_id")
+# What a manifest written before a field existed meant by it: runs started before codecs stored bf16.
+LEGACY = {"codec": "bf16"}
 
 
 def join(conn: redis.Redis, store: Store, mine: dict) -> dict:

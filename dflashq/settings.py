@@ -28,7 +28,6 @@ class StoreSettings:
     path: str = defaults.STORE_PATH
     retention: str = defaults.RETENTION
     codec: str = defaults.CODEC
-    target_topk: int = defaults.TARGET_TOPK
 
 
 @dataclasses.dataclass
@@ -81,7 +80,6 @@ class TrainSettings:
     learning_rate: float = defaults.LEARNING_RATE
     warmup_ratio: float = defaults.WARMUP_RATIO
     weight_decay: float = defaults.WEIGHT_DECAY
-    distill_weight: float = defaults.DISTILL_WEIGHT
     grad_clip: float = defaults.GRAD_CLIP
     epochs: int = defaults.EPOCHS
     total_steps: int = defaults.TOTAL_STEPS
@@ -295,11 +293,6 @@ def _validate(settings: Settings) -> None:
          f"train.layer_types lists {len(settings.train.layer_types)} layers but train.num_layers is {settings.train.num_layers}"),
         (settings.train.attention in ("auto", "flex", "sdpa"), "train.attention must be 'auto', 'flex' or 'sdpa'"),
         (settings.store.codec in ("bf16", "fp8"), "store.codec must be 'bf16' or 'fp8'"),
-        (settings.store.target_topk >= 0, "store.target_topk must be 0 (none) or more"),
-        (0.0 <= settings.train.distill_weight <= 1.0, "train.distill_weight must be between 0 and 1"),
-        (settings.train.distill_weight == 0 or settings.store.target_topk > 0,
-         "train.distill_weight trains against the target's top-k next tokens, which the blobs hold only with "
-         "store.target_topk above 0: set it (16 is plenty) or set train.distill_weight to 0"),
         (settings.regenerate.decoder in ("auto", "static", "generate"),
          "regenerate.decoder must be 'auto', 'static' or 'generate'"),
         (settings.train.chunks_per_step >= 1, "train.chunks_per_step must be at least 1"),

@@ -231,24 +231,3 @@ def test_fp8_scales_are_checksummed_and_blobs_without_a_codec_field_read_as_bf16
     blob = decode_blob(safetensors.numpy.save(old, old_meta))
     assert blob.codec == "bf16" and blob.scales is None
     assert torch.equal(_bits(blob.hidden), _bits(_chunk(torch.bfloat16)[0]))
-
-
-@pytest.mark.parametrize("codec", ["bf16", "fp8"])
-def test_target_topk_round_trips_per_sample_and_is_checksummed(codec):
-    """store.target_topk: the target's next-token top-k travel with the states, sliced per sample like them."""
-    hidden, ids, mask, offsets = _chunk(torch.bfloat16)
-    g = torch.Generator().manual_seed(5)
-    top_ids = torch.randint(0, 151936, (len(ids), 4), generator=g, dtype=torch.int32)
-    top_logprobs = -torch.rand(len(ids), 4, generator=g).cumsum(-1)
-    data = b"".join(encode_blob(hidden, ids, mask, offsets, META, codec=codec, topk=(top_ids, top_logprobs)))
-    blob = decode_blob(data)
-    assert read_metadata(data)["target_topk"] == "4"
-    pieces = list(blob.topk_samples())
-    assert [p[0].shape for p in pieces] == [(n, 4) for n in LENGTHS]
-    assert torch.equal(pieces[1][0], top_ids[5:69]) and torch.equal(pieces[2][1], top_logprobs[69:])
-    tensors = safetensors.numpy.load(data)
-    tensors["topk_ids"] = tensors["topk_ids"] + 1
-    with pytest.raises(BlobError, match="checksum"):
-        decode_blob(safetensors.numpy.save(tensors, read_metadata(data)))
-    with pytest.raises(BlobError, match="store.target_topk"):  # a blob extracted without them
-        next(decode_blob(_encode()).topk_samples())

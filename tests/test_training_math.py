@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.anchors import gather_blocks, gather_soft_labels, sample_anchors
+from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loss import decay_weights, default_gamma, dflash_loss, expected_acceptance_length
 from trainer.step import Batch, Blocks, backward, collate, draw_blocks, loss_shares
@@ -103,46 +103,6 @@ def test_chunked_loss_equals_the_full_logits_loss_and_gradient(chunk_rows):
     torch.testing.assert_close(result.loss, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, 2.0 * expected_grad, atol=1e-6, rtol=1e-5)
     assert (grad[~slot_valid] == 0).all()
-
-
-@pytest.mark.parametrize("distill_weight", [0.0, 0.5, 1.0])
-def test_distilled_loss_is_the_cross_entropy_against_the_mixed_label_distribution(distill_weight):
-    """train.distill_weight w: each slot's label is (1 - w) on the greedy token plus w on the target's top-k
-    probabilities (a token may be in both); loss and gradient equal autograd's soft-label cross-entropy, chunked or
-    not, and accuracy stays against the greedy token."""
-    states, lm_head, targets, slot_valid = make_loss_inputs(seed=2)
-    gen = torch.Generator().manual_seed(3)
-    soft_ids = torch.randint(0, 50, (*targets.shape, 4), generator=gen)
-    soft_ids[..., 0] = targets  # the greedy token is usually the target's top-1
-    soft_p = torch.rand(soft_ids.shape, generator=gen).softmax(-1)
-    label = (1 - distill_weight) * F.one_hot(targets, 50).float()
-    label = label.scatter_add(-1, soft_ids, distill_weight * soft_p)  # [b, N, B, V]
-    weights = decay_weights(states.shape[2]).expand_as(slot_valid)
-    ce = -(label * (states @ lm_head.T).log_softmax(-1)).sum(-1)
-    expected = (ce * weights * slot_valid).sum() / (weights * slot_valid).sum()
-    (expected_grad,) = torch.autograd.grad(expected, states)
-    for chunk_rows in (3, 10_000):
-        result = dflash_loss(states, lm_head, targets, slot_valid, chunk_rows=chunk_rows, soft=(soft_ids, soft_p),
-                             distill_weight=distill_weight)
-        (grad,) = torch.autograd.grad(result.loss, states)
-        torch.testing.assert_close(result.loss, expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-5)
-    hard = dflash_loss(states, lm_head, targets, slot_valid)
-    torch.testing.assert_close(result.acc, hard.acc)
-    if distill_weight == 0:
-        torch.testing.assert_close(result.loss, hard.loss)
-
-
-def test_soft_labels_of_a_slot_come_from_the_position_before_its_token():
-    """Slot k of the block at a predicts x[a + k]: the target's top-k computed at position a + k - 1."""
-    seq, k = 9, 3
-    topk_ids = torch.arange(seq * k, dtype=torch.int32).view(1, seq, k)  # position p holds ids 3p, 3p+1, 3p+2
-    topk_logprobs = torch.log(torch.tensor([0.5, 0.25, 0.125])).expand(1, seq, k)  # sums to 0.875: renormalized
-    ids, probs = gather_soft_labels(topk_ids, topk_logprobs, torch.tensor([[2, 6]]), block_size=4)
-    assert ids.shape == (1, 2, 4, k) and ids.dtype == torch.long
-    assert ids[0, 0, :, 0].tolist() == [3, 6, 9, 12]  # positions 1, 2, 3, 4 for slots 0..3 of the block at 2
-    assert ids[0, 1, :, 0].tolist() == [15, 18, 21, 24]  # positions 5..8, the last one in range
-    torch.testing.assert_close(probs[0, 0, 1], torch.tensor([4 / 7, 2 / 7, 1 / 7]))
 
 
 def test_per_slot_accuracy_counts_only_valid_slots():

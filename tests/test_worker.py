@@ -55,7 +55,7 @@ def worker_cmd(settings, index, burst=True):
            "--run", settings.run, "--redis-url", settings.redis.url, "--store", settings.store.path,
            "--model", settings.model.path]
     for key in ("data.max_length", "train.num_layers", "workers.heartbeat_seconds", "workers.worker_ttl",
-                "backpressure.poll_seconds", "workers.batch_tokens", "store.codec", "store.target_topk"):
+                "backpressure.poll_seconds", "workers.batch_tokens", "store.codec"):
         section, name = key.split(".")
         cmd += ["-s", f"{key}={getattr(getattr(settings, section), name)}"]
     return cmd + (["--burst"] if burst else [])
@@ -124,31 +124,6 @@ def test_fp8_worker_blobs_pass_verify_within_the_codec_tolerance(tmp_path, redis
     _, lossless_ok = verify_samples(load_target(tiny_qwen35), blob.layer_ids, samples,
                                     [h for h, _, _ in blob.samples()], codec="bf16")
     assert not lossless_ok  # the same states judged as if stored losslessly
-
-
-def test_worker_blobs_hold_the_targets_own_next_token_topk(tmp_path, redis_url, tiny_qwen35):
-    """store.target_topk: each blob holds, per token, the top-k of the target's own next-token log-softmax, as a
-    plain Transformers forward of that sample computes it; the manifest records k, and a trainer config that asks
-    to distil without it is refused in one sentence."""
-    settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"store.target_topk": 6})
-    run, report = admit_sample_data(settings, 12)
-    proc = subprocess.run(worker_cmd(settings, 0), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_exactly_once(run, report)
-    assert run.manifest["target_topk"] == 6
-    from dflashq.target import load_target
-
-    model = load_target(tiny_qwen35)
-    path = run.conn.xrange(run.keys.results)[0][1][b"path"].decode()
-    blob = decode_blob(Path(path).read_bytes())
-    for (_, ids, _), (top_ids, top_logprobs) in zip(blob.samples(), blob.topk_samples()):
-        with torch.inference_mode():
-            logits = model(input_ids=ids.long()[None]).logits[0].float()
-        expected = logits.log_softmax(-1).topk(6, dim=-1)
-        torch.testing.assert_close(top_logprobs, expected.values, rtol=1e-4, atol=1e-4)
-        assert (top_ids == expected.indices).float().mean() > 0.99
-    with pytest.raises(S.ConfigError, match="store.target_topk"):
-        settings_for(tmp_path, redis_url, tiny_qwen35, **{"train.distill_weight": 0.5})
 
 
 def test_worker_refuses_other_functions_and_pickles(tmp_path, redis_url, tiny_qwen35):

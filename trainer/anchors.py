@@ -66,22 +66,3 @@ def gather_blocks(
     block_ids = torch.full_like(targets, mask_token_id)  # [batch, N, B]
     block_ids[:, :, 0] = targets[:, :, 0]
     return block_ids, targets, slot_valid
-
-
-def gather_soft_labels(topk_ids: Tensor, topk_logprobs: Tensor, anchors: Tensor, block_size: int
-                       ) -> tuple[Tensor, Tensor]:
-    """The target's own distribution of each block slot's token: slot k of the block at a_j predicts x[a_j + k], which
-    the target's next-token top-k at position a_j + k - 1 describes (slot 0, never trained, reads position a_j - 1,
-    clamped at 0).
-
-    topk_ids [batch, T, k] int32, topk_logprobs [batch, T, k] fp32 (right-padded); anchors [batch, N].
-    Returns ids [batch, N, B, k] long and probabilities [batch, N, B, k] fp32, renormalized over the k.
-    """
-    seq_len, k = topk_ids.shape[1], topk_ids.shape[2]
-    offsets = torch.arange(block_size, device=anchors.device)  # [B]
-    positions = (anchors[:, :, None] + offsets - 1).clamp(0, seq_len - 1).flatten(1)  # [batch, N*B]
-    index = positions[:, :, None].expand(-1, -1, k)  # [batch, N*B, k]
-    shape = (*anchors.shape, block_size, k)
-    ids = topk_ids.gather(1, index).view(shape).long()  # [batch, N, B, k]
-    probs = topk_logprobs.gather(1, index).view(shape).float().softmax(-1)  # [batch, N, B, k]
-    return ids, probs

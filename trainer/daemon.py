@@ -291,9 +291,7 @@ class Trainer:
         (`last`: of its last chunk) communicates. Returns loss, correct and valid rows per slot [B-1], tokens."""
         read_started = time.perf_counter()
         try:  # on the training device: an fp8 blob crosses as 1-byte values and is dequantized there
-            blob = self.prefetch.get(entry.path)
-            samples = list(blob.samples(self.device))
-            topk = list(blob.topk_samples(self.device)) if self.cfg.distill_weight else None
+            samples = list(self.prefetch.get(entry.path).samples(self.device))
         except (BlobError, FileNotFoundError) as exc:
             self._log({"event": "unreadable blob", "chunk": entry.chunk, "error": str(exc)})
             raise
@@ -302,9 +300,8 @@ class Trainer:
         groups = micro_batches(lengths, self.cfg.micro_batch_tokens)
         loss, correct, count, j = 0.0, 0, 0, 0
         try:
-            batches = [collate([samples[n] for n in group], self.device,
-                               [topk[n] for n in group] if topk else None) for group in groups]
-            del samples, topk  # the padded micro-batches hold the chunk now
+            batches = [collate([samples[n] for n in group], self.device) for group in groups]
+            del samples  # the padded micro-batches hold the chunk now
             # every micro-batch's blocks before the first backward: each one's share of the chunk's loss needs them all
             generator = chunk_generator(self.cfg.seed, entry.epoch, entry.chunk, self.device)
             drawn = [draw_blocks(self.drafter.config, batch, self.cfg.num_anchors, generator, self.cfg.attention)
@@ -314,7 +311,7 @@ class Trainer:
                 with parallel.gradient_sync(self.model, last and j == len(groups) - 1):
                     out = backward(self.model, self.head, batch, blocks,
                                    loss_chunk_rows=self.cfg.loss_chunk_rows, scale=scale * shares[j],
-                                   attention=self.cfg.attention, distill_weight=self.cfg.distill_weight)
+                                   attention=self.cfg.attention)
                 loss += float(out.loss.detach() * shares[j])
                 correct, count = correct + out.correct.detach().cpu(), count + out.count.detach().cpu()
         except torch.OutOfMemoryError:

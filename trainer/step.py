@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from dflashq import defaults
-from trainer.anchors import gather_blocks, gather_soft_labels, sample_anchors
+from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import Attention, DFlashDrafter, DrafterConfig, uses_flex
 from trainer.loss import DFlashLoss, dflash_loss, loss_weight
 from trainer.target_head import TargetHead
@@ -25,18 +25,14 @@ class Batch:
     context: Tensor  # [b, T, K*H] tapped target states, right-padded
     input_ids: Tensor  # [b, T] long
     loss_mask: Tensor  # [b, T] uint8 (0 on padding)
-    topk_ids: Tensor | None = None  # [b, T, k] int32: the target's next-token top-k (train.distill_weight > 0)
-    topk_logprobs: Tensor | None = None  # [b, T, k] fp32
 
     @property
     def tokens(self) -> int:
         return int(self.loss_mask.shape[0] * self.loss_mask.shape[1])
 
 
-def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device | str,
-            topk: list[tuple[Tensor, Tensor]] | None = None) -> Batch:
-    """Per-sample (hidden [T, K, H], input_ids [T], loss_mask [T]), and optionally the target's next-token top-k
-    (ids [T, k], log-probabilities [T, k]) -> one right-padded batch on `device`."""
+def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device | str) -> Batch:
+    """Per-sample (hidden [T, K, H], input_ids [T], loss_mask [T]) -> one right-padded batch on `device`."""
     length = max(int(ids.shape[0]) for _, ids, _ in samples)
     b = len(samples)
     k, h = samples[0][0].shape[1:]
@@ -48,12 +44,7 @@ def collate(samples: list[tuple[Tensor, Tensor, Tensor]], device: torch.device |
         context[row, :n] = hidden.reshape(n, k * h)
         ids[row, :n] = sample_ids.long()
         mask[row, :n] = sample_mask
-    batch = Batch(context.to(device, non_blocking=True), ids.to(device), mask.to(device))
-    if topk is not None:
-        top_ids, top_logprobs = (torch.nn.utils.rnn.pad_sequence(list(parts), batch_first=True).to(device)
-                                 for parts in zip(*topk))  # [b, T, k] x2
-        batch.topk_ids, batch.topk_logprobs = top_ids, top_logprobs
-    return batch
+    return Batch(context.to(device, non_blocking=True), ids.to(device), mask.to(device))
 
 
 class WarmupCosine:
@@ -116,17 +107,14 @@ class Blocks:
     block_ids: Tensor  # [b, N, B] long
     targets: Tensor  # [b, N, B] long
     slot_valid: Tensor  # [b, N, B] bool
-    soft: tuple[Tensor, Tensor] | None = None  # the target's top-k (ids, probabilities) [b, N, B, k] per slot
 
 
 def draw_blocks(config: DrafterConfig, batch: Batch, num_anchors: int, generator: torch.Generator | None = None,
                 attention: Attention = "auto") -> Blocks:
     anchors, valid = sample_anchors(batch.loss_mask, num_anchors, generator,
                                     exact=uses_flex(attention, batch.context))  # [b, N] x2
-    soft = None if batch.topk_ids is None else gather_soft_labels(
-        batch.topk_ids, batch.topk_logprobs, anchors, config.block_size)  # [b, N, B, k] x2
     return Blocks(anchors, *gather_blocks(batch.input_ids, batch.loss_mask, anchors, valid, config.block_size,
-                                          config.mask_token_id), soft)  # [b, N, B] x3
+                                          config.mask_token_id))  # [b, N, B] x3
 
 
 def loss_shares(drawn: list[Blocks]) -> Tensor:
@@ -139,16 +127,15 @@ def loss_shares(drawn: list[Blocks]) -> Tensor:
 
 
 def backward(model: nn.Module, head: TargetHead, batch: Batch, blocks: Blocks, *, loss_chunk_rows: int,
-             scale: float | Tensor = 1.0, attention: Attention = "auto", distill_weight: float = 0.0) -> DFlashLoss:
+             scale: float | Tensor = 1.0, attention: Attention = "auto") -> DFlashLoss:
     """Forward and backward of one (micro-)batch through `model` (the drafter, or its DDP / FSDP form), the
-    gradient of `scale` x its loss accumulated into the parameters; `distill_weight` of each slot's label on the
-    target's top-k (trainer.loss)."""
+    gradient of `scale` x its loss accumulated into the parameters."""
     on_gpu = batch.context.is_cuda
     with torch.autocast(device_type=batch.context.device.type, dtype=torch.bfloat16, enabled=on_gpu):
         hidden = model(batch.context, blocks.block_ids, blocks.anchors, head, attention)  # [b, N, B, H]
     # the head runs in its own dtype (bf16 on GPU): never a converted copy of the [V, H] matrix per step
     out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, blocks.targets, blocks.slot_valid,
-                      chunk_rows=loss_chunk_rows, soft=blocks.soft, distill_weight=distill_weight)
+                      chunk_rows=loss_chunk_rows)
     (out.loss * scale).backward()
     return out
 

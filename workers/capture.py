@@ -35,9 +35,8 @@ def padded_batches(samples: list[Sample], batch_tokens: int, batching=extraction
 
 def extract_samples(
     model: torch.nn.Module, capture: HiddenStateCapture, samples: list[Sample], batch_tokens: int
-) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]] | None]:
-    """Per sample, in input order: hidden states [T_i, K, H] on the model's device; and, where the capture has
-    `topk`, the target's next-token top-k (ids [T_i, k] int32, log-probabilities [T_i, k] fp32), else None.
+) -> list[torch.Tensor]:
+    """Per sample, in input order: hidden states [T_i, K, H] on the model's device.
 
     Length-sorted, right-padded micro-batches under a padded-token budget; sequences are never packed into one row
     (linear-attention state would leak across them). No attention mask: in a causal decoder a real token never sees
@@ -46,15 +45,11 @@ def extract_samples(
     """
     device = next(model.parameters()).device
     results: list[torch.Tensor | None] = [None] * len(samples)
-    topk: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
     for batch, ids in padded_batches(samples, batch_tokens):
         hidden = capture.capture(ids.to(device, non_blocking=True))  # [B, W, K, H]
-        top_ids, top_logprobs = capture.next_token_topk() if capture.topk else (None, None)  # [B, W, k] x2
         for row, i in enumerate(batch):
             results[i] = hidden[row, : len(samples[i])]
-            if capture.topk:
-                topk[i] = (top_ids[row, : len(samples[i])], top_logprobs[row, : len(samples[i])])
-    return results, topk if capture.topk else None
+    return results
 
 
 def warmup_shapes(batch_tokens: int) -> list[tuple[int, int]]:

@@ -74,7 +74,7 @@ class Extractor:
             started = time.perf_counter()
             shapes = warm_up(self.model, self.batch_tokens)
             log.info("%s: %d batch shapes warmed up in %.1f s", worker_name, shapes, time.perf_counter() - started)
-        self.capture = HiddenStateCapture(self.model, run.layer_ids, topk=settings.store.target_topk)
+        self.capture = HiddenStateCapture(self.model, run.layer_ids)
         self.max_splits = settings.workers.max_splits
         self.level = settings.workers.compress_level
         self.codec = settings.store.codec
@@ -101,13 +101,11 @@ class Extractor:
     def chunk_bytes(self, tokens: int) -> int:
         """Upper bound of a chunk's blob: its hidden states uncompressed, as the codec stores them."""
         hidden = self.model.config.get_text_config().hidden_size
-        topk = self.capture.topk * 8  # int32 id and fp32 log-probability
-        return tokens * (stored_bytes_per_token(self.codec, len(self.run_ctx.layer_ids), hidden, self.model.dtype) + topk)
+        return tokens * stored_bytes_per_token(self.codec, len(self.run_ctx.layer_ids), hidden, self.model.dtype)
 
     # --- forward ------------------------------------------------------------------------------------------
-    def _forward(self, chunk: Chunk) -> tuple[list[torch.Tensor], list | None]:
-        """Per-sample hidden states and next-token top-k (workers.capture.extract_samples); a chunk that runs out of
-        GPU memory is split into smaller batches."""
+    def _forward(self, chunk: Chunk) -> list[torch.Tensor]:
+        """Per-sample hidden states; a chunk that runs out of GPU memory is split into smaller batches."""
         lengths = [len(s) for s in chunk.samples]
         budget = self.batch_tokens
         for attempt in range(self.max_splits + 1):
@@ -136,7 +134,7 @@ class Extractor:
         return host
 
     def _small_to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A small tensor (fp8 scales, errors, top-k labels) to fresh pinned memory without waiting for the device."""
+        """A small tensor (fp8 scales, errors) to fresh pinned memory without waiting for the device."""
         if self.device.type != "cuda":
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -157,12 +155,12 @@ class Extractor:
         self._reserve(chunk)
         busy_from = time.perf_counter()
         try:
-            states, topk = self._forward(chunk)  # per sample [T_i, K, H] (and [T_i, k] x2) on the device
+            states = self._forward(chunk)  # per sample [T_i, K, H] on the device
         except BaseException:
             release(self.run_ctx.conn, self.run_ctx.keys, self.worker_name, chunk.id)
             raise
         hidden = torch.cat(states) if len(states) > 1 else states[0]  # [N, K, H]
-        small = {}  # the blob's small tensors, copied to the host with the states
+        fp8 = None
         if self.codec == "fp8":  # quantized on the device: half the bytes cross to the host
             values, scales, error = quantize_fp8(hidden)  # [N, K, H] e4m3, [N, K] fp32, [K]
             planes = shuffle_bytes(values)  # [1, N, K, H] uint8
@@ -175,15 +173,13 @@ class Extractor:
             self.seconds["writer_wait"] += time.perf_counter() - waited_from
         host = self._to_host(planes)
         if self.codec == "fp8":
-            small.update(scales=self._small_to_host(scales), error=self._small_to_host(error))
-        if topk is not None:
-            small["topk"] = tuple(self._small_to_host(torch.cat(parts)) for parts in zip(*topk))  # [N, k] x2
+            fp8 = (self._small_to_host(scales), self._small_to_host(error))
         done = torch.cuda.Event() if self.device.type == "cuda" else None
         if done is not None:
             done.record()
         conn, keys = self.run_ctx.conn, self.run_ctx.keys
         conn.sadd(unannounced_key(keys, self.worker_name), chunk.id)
-        self._writes[self._slot] = self.pool.submit(self._write, chunk, host, hidden.dtype, done, small)
+        self._writes[self._slot] = self.pool.submit(self._write, chunk, host, hidden.dtype, done, fp8)
         for slot, future in enumerate(self._writes):
             if slot != self._slot and future is not None and future.done():
                 self._wait_write(slot)  # surface a failed write of an earlier chunk
@@ -193,9 +189,9 @@ class Extractor:
         return {"chunk": chunk.id, "tokens": chunk.tokens, "samples": len(chunk.samples)}
 
     # --- writer thread ------------------------------------------------------------------------------------
-    def _write(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done, small: dict) -> None:
+    def _write(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done, fp8) -> None:
         try:
-            self._write_and_announce(chunk, host, dtype, done, small)
+            self._write_and_announce(chunk, host, dtype, done, fp8)
         except Exception:
             # The job already returned: give the chunk back to the queue rather than lose it.
             log.exception("writing the blob of %s failed; re-queueing it", chunk.id)
@@ -205,9 +201,8 @@ class Extractor:
             conn.srem(unannounced_key(self.run_ctx.keys, self.worker_name), chunk.id)
             raise
 
-    def _write_and_announce(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done, small: dict) -> None:
-        """small: for fp8, `scales` [N, K] and relative `error` [K] of the quantized states in `host`; with
-        store.target_topk, `topk` (ids, log-probabilities) [N, k] each."""
+    def _write_and_announce(self, chunk: Chunk, host: torch.Tensor, dtype: torch.dtype, done, fp8) -> None:
+        """fp8: (scales [N, K], relative error [K]) of the quantized states in `host`."""
         started = time.perf_counter()
         if done is not None:
             done.synchronize()
@@ -220,11 +215,10 @@ class Extractor:
         meta = {"run": run.settings.run, "chunk_id": chunk.id, "epoch": chunk.epoch, "layer_ids": run.layer_ids}
         ids = torch.cat([torch.from_numpy(s.input_ids) for s in chunk.samples])
         mask = torch.cat([torch.from_numpy(s.loss_mask) for s in chunk.samples])
-        error = small.get("error")
+        scales, error = fp8 if fp8 is not None else (None, None)
         buffers = encode_blob(host, ids, mask, offsets, meta, self.level, self.threads,
                               sample_index=[s.index for s in chunk.samples], dtype=dtype, codec=self.codec,
-                              scales=small.get("scales"), relative_error=error.tolist() if error is not None else None,
-                              topk=small.get("topk"))
+                              scales=scales, relative_error=error.tolist() if error is not None else None)
         encoded = time.perf_counter()
         path = run.store.blob_path(chunk.id, chunk.epoch)
         size = run.store.write_atomic(path, buffers)
