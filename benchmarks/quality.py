@@ -432,9 +432,9 @@ def main() -> None:
     parser.add_argument("--lossless-prompts", type=int, default=16,
                         help="prompts of each benchmark also checked against plain greedy decoding")
     # the same prompts' earlier output lets a run skip regeneration (5 GPU-minutes for all of ShareGPT's that fit)
-    parser.add_argument("--regenerated", default=None,
-                        help="an earlier run's regenerate output (.jsonl or .jsonl.gz) for the same prompts: its "
-                             "records count as done (e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz "
+    parser.add_argument("--regenerated", nargs="+", default=None,
+                        help="earlier runs' regenerate output (.jsonl or .jsonl.gz files, one after the other) for the "
+                             "same prompts: their records count as done (e.g. benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz "
                              "for --conversations 3000 --response-tokens 256, or ...-16965.jsonl.gz for all that fit, "
                              "--response-tokens 256)")
     parser.add_argument("--regenerated-seconds", type=float, default=None,
@@ -463,9 +463,10 @@ def main() -> None:
     settings = settings_module.load(write_config(work, args))
     output = work / settings.data.paths[0]
     if args.regenerated and not output.exists():
-        opener = gzip.open if args.regenerated.endswith(".gz") else open
-        with opener(args.regenerated, "rb") as src, open(output, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        with open(output, "wb") as dst:
+            for path in args.regenerated:
+                with (gzip.open if path.endswith(".gz") else open)(path, "rb") as src:
+                    shutil.copyfileobj(src, dst)
     for phase in PHASES:
         if phase in state:
             print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)

@@ -266,8 +266,16 @@ def test_quality_benchmark_starts_from_an_earlier_runs_regenerated_records(tmp_p
     # reuse hides the regeneration's cost: it counts as the time the file took to make, unknown unless given
     assert first["end_to_end"]["regenerate_counted"] == "this run" and "total" not in first["end_to_end"]
     assert second["end_to_end"]["minutes"]["regenerate"] is None
+    # the records may come in several files (say an earlier pass and a later one that added records)
+    lines = (tmp_path / "a" / "regenerated.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "part1.jsonl").write_bytes(b"".join(lines[:5]))
+    with gzip.open(tmp_path / "part2.jsonl.gz", "wb") as f:
+        f.write(b"".join(lines[5:]))
     third, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "c"), "--stop-after", "regenerate",
-                     "--regenerated", str(tmp_path / "earlier.jsonl.gz"), "--regenerated-seconds", "120")
+                     "--regenerated", str(tmp_path / "part1.jsonl"), str(tmp_path / "part2.jsonl.gz"),
+                     "--regenerated-seconds", "120")
+    assert third["regenerate"]["generated_tokens"] == 0
+    assert (tmp_path / "c" / "regenerated.jsonl").read_bytes() == (tmp_path / "a" / "regenerated.jsonl").read_bytes()
     assert third["end_to_end"]["minutes"]["regenerate"] == 2.0
     assert third["end_to_end"]["regenerate_counted"] == "--regenerated-seconds"
 
@@ -369,6 +377,13 @@ def test_quality_reads_sharegpt_parts_from_their_first_human_turn_and_cuts_long_
         ("a_0", [10, 10]), ("a_1", [10, 10]), ("b_0", [20, 20]), ("e_0", [1] * 6)]
     assert records[0] == objects[0] and records[1]["conversations"][0]["from"] == "human"
     assert [r["id"] for r in sharegpt_records(path, limit=2, max_chars=80, max_turns=3)] == ["a_0", "a_1"]
+    # --continuations: what the cuts left goes on from the next human turn, after every first record; the first
+    # records are the same (an earlier regeneration of them still counts), each continuation has its own id
+    more = sharegpt_records(path, limit=100, max_chars=80, max_turns=3, continuations=True)
+    assert more[:4] == records
+    assert [(r["id"], [len(t["value"]) for t in r["conversations"]]) for r in more[4:]] == [
+        ("b_0@2", [50, 10]), ("e_0@6", [1, 1])]  # c_0's one exchange is over the limit on its own: left out
+    assert more[4]["conversations"][0]["from"] == "human"
 
 
 def test_quality_eval_shards_balance_the_decoding_loops_each_shard_runs():
