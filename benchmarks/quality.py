@@ -127,6 +127,8 @@ codec = "{args.codec}"
 retention = "{args.retention}"
 [model]
 path = "model"
+[backpressure]
+max_backlog = {args.max_backlog}
 [data]
 paths = ["regenerated.jsonl"]
 max_length = {args.max_length}
@@ -423,6 +425,9 @@ def main() -> None:
     # 4x the chunk: each chunk is one micro-batch (2026-12-05, same host: 11% faster steps, and EAL 1.58 against
     # 1.45 after 2 epochs, the chunk's loss no longer a mean of unequal micro-batches' means)
     parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens")
+    # the default 64 made the trainer checkpoint every 32 chunks of the first epoch (the thirteenth run: 48 pauses of
+    # about 0.45 s) and likely held the worker while the trainer compiled; with retention keep every blob stays anyway
+    parser.add_argument("--max-backlog", type=int, default=512, help="backpressure.max_backlog")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
     parser.add_argument("--eval-processes", type=int, default=None, help="eval shards at once [CPU cores - 2 up to 12 on a GPU, else 1]")

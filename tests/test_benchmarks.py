@@ -107,6 +107,9 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     work = str(tmp_path / "quality")
     report, _ = bench("quality.py", "--tiny", "--work", work)
     assert report["prompts"]["conversations"] == 24  # read object by object from the cut-off ShareGPT JSON
+    from dflashq import settings as settings_module
+
+    assert settings_module.load(Path(work) / "run.toml").backpressure.max_backlog == 512  # the extraction runs ahead
     # the recipe as run, not only as asked: --tiny overrides the command's defaults
     assert report["train"] == {"epochs": 2, "num_anchors": 8, "learning_rate": 3e-3, "micro_batch_tokens": 32768}
     assert report["regenerate"]["regenerated"] > 0 and report["regenerate"]["failed"] == 0
