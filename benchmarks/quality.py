@@ -105,7 +105,7 @@ def _pieces(turns: list[dict], max_chars: int, max_turns: int | None):
             continue
         if any(t.get("from") == "gpt" for t in turns[start:ends[-1]]):
             yield h, start, ends[-1]
-        h = humans.index(ends[-1]) if ends[-1] < len(turns) else len(humans)
+        h += len(ends)  # the kept ends are a prefix (the characters only grow): the next record starts at the next one
 
 
 def mtbench_first_turns() -> list[str]:
