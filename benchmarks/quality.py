@@ -426,7 +426,8 @@ def main() -> None:
     # 1.45 after 2 epochs, the chunk's loss no longer a mean of unequal micro-batches' means)
     parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens")
     # the default 64 made the trainer checkpoint every 32 chunks of the first epoch (the thirteenth run: 48 pauses of
-    # about 0.45 s) and likely held the worker while the trainer compiled; with retention keep every blob stays anyway
+    # about 0.45 s) and held the worker while the trainer compiled (with 512 the fourteenth run's extraction went on
+    # through the first compilation, where the thirteenth had paused about 22 s); with retention keep every blob stays
     parser.add_argument("--max-backlog", type=int, default=512, help="backpressure.max_backlog")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
