@@ -21,6 +21,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,9 @@ PHASES = ("model", "prompts", "regenerate", "up", "eval")
 # the issue's goal: tau on MT-Bench and HumanEval within this many GPU-minutes from the GGUF to the measured tau
 GOAL = {"mt_bench": 2.5, "humaneval": 3.0, "gpu_minutes": 25.0}
 GPU_PHASES = ("model", "regenerate", "up", "eval")  # the prompts are written on the CPU
+# a fenced block, or a line that opens as source code does (Python, C/C++, JavaScript, Java, SQL)
+CODE = re.compile(r"```|^[ \t]*(def |class |import |from \S+ import |#include|function |public |SELECT )", re.MULTILINE)
+CODE_REPEATS_FILE = "code-repeats.jsonl"
 
 
 def package_file(package: str, *parts: str) -> Path:
@@ -130,7 +134,7 @@ path = "model"
 [backpressure]
 max_backlog = {args.max_backlog}
 [data]
-paths = ["regenerated.jsonl"]
+paths = {json.dumps(["regenerated.jsonl"] + ([CODE_REPEATS_FILE] if args.code_repeats > 1 else []))}
 max_length = {args.max_length}
 chunk_tokens = {max(args.max_length, args.chunk_tokens)}
 [regenerate]
@@ -203,7 +207,28 @@ def phase_regenerate(work: Path, args, settings) -> dict:
             "reused": args.regenerated, "reused_seconds": args.regenerated_seconds}
 
 
+def write_code_repeats(regenerated: Path, out: Path, repeats: int) -> int:
+    """The records of `regenerated` that hold code (CODE, in any turn), each `repeats - 1` more times (id
+    `<id>#<k>`), into `out`, which the producer reads after `regenerated`: HumanEval is code, and about a fifth of the
+    ShareGPT records are. Later epochs shuffle, so only epoch 1 meets the copies last. Returns the code records."""
+    code = 0
+    with open(regenerated, encoding="utf-8") as src, open(out.with_suffix(".tmp"), "w", encoding="utf-8") as dst:
+        for line in src:
+            record = json.loads(line)
+            if not any(CODE.search(str(m.get("content", ""))) for m in record["messages"]):
+                continue
+            code += 1
+            for k in range(2, repeats + 1):
+                dst.write(json.dumps({**record, "id": f"{record.get('id')}#{k}"}) + "\n")
+    out.with_suffix(".tmp").replace(out)  # whole or absent: its fingerprint is the run's
+    return code
+
+
 def phase_up(work: Path, args, settings) -> dict:
+    code = {}
+    if args.code_repeats > 1:
+        code = {"code_records": write_code_repeats(work / settings.data.paths[0], work / CODE_REPEATS_FILE, args.code_repeats),
+                "code_repeats": args.code_repeats}
     cmd = [sys.executable, "-m", "ops.cli", "up", "--config", str(work / "run.toml"), "--no-live"]
     if args.tiny:
         cmd += ["--workers", "1"]
@@ -219,7 +244,9 @@ def phase_up(work: Path, args, settings) -> dict:
     log = [json.loads(line) for line in Path(run.store.path(settings.train.log_file)).read_text().splitlines()]
     steps = [r for r in log if "step" in r and "loss" in r]
     tokens = sum(int(f[b"tokens"]) for _, f in run.conn.xrange(run.keys.results))
-    return {"curve": str(curve), "steps": len(steps), "tokens_extracted": tokens,
+    producer = run.conn.hgetall(run.keys.producer)
+    return {**code, "records_read": json.loads(producer[b"records"]) if producer else None,
+            "curve": str(curve), "steps": len(steps), "tokens_extracted": tokens,
             "final_train_eal": steps[-1]["eal"] if steps else None, "final_loss": steps[-1]["loss"] if steps else None,
             "median_step_seconds": step_time_medians(steps),
             **epoch_figures(steps),
@@ -416,6 +443,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=6e-4)
     parser.add_argument("--anchors", type=int, default=128)
+    parser.add_argument("--code-repeats", type=int, default=1,
+                        help="times each record holding code is trained per epoch (the copies are extracted too)")
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
     # fp8 against bf16 on the same data: a second --work folder holding a copy of the first one's regenerated.jsonl
     # and state.json up to `regenerate`

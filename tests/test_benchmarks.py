@@ -113,6 +113,7 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     # the recipe as run, not only as asked: --tiny overrides the command's defaults
     assert report["train"] == {"epochs": 2, "num_anchors": 8, "learning_rate": 3e-3, "micro_batch_tokens": 32768}
     assert report["regenerate"]["regenerated"] > 0 and report["regenerate"]["failed"] == 0
+    assert report["up"]["records_read"] == report["regenerate"]["regenerated"] and "code_records" not in report["up"]
     assert report["up"]["steps"] > 0 and report["up"]["tokens_extracted"] > 0 and Path(report["up"]["curve"]).is_file()
     assert report["up"]["median_step_seconds"].keys() == {"between", "read", "compute"}
     up = report["up"]  # --tiny: 2 epochs
@@ -186,7 +187,10 @@ def test_tau_scaling_reads_each_runs_recipe_and_fits_only_across_token_counts(tm
 
 
 def test_quality_benchmark_compares_with_the_reference_on_the_first_prompts_only(tmp_path):
-    report, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "q"), "--reference-prompts", "1")
+    report, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "q"), "--reference-prompts", "1", "--code-repeats", "3")
+    # the producer read each record holding code three times: once in the regenerated file, twice after it
+    up = report["up"]
+    assert up["code_records"] >= 1 and up["records_read"] == report["regenerate"]["regenerated"] + 2 * up["code_records"]
     for name in ("mt_bench", "humaneval"):
         result = report["eval"][name]
         assert result["prompts"] == 2 and result["reference_prompts"] == 1
@@ -387,6 +391,26 @@ def test_quality_reads_sharegpt_parts_from_their_first_human_turn_and_cuts_long_
     assert [(r["id"], [len(t["value"]) for t in r["conversations"]]) for r in more[4:]] == [
         ("b_0@2", [50, 10]), ("e_0@6", [1, 1])]  # c_0's one exchange is over the limit on its own: left out
     assert more[4]["conversations"][0]["from"] == "human"
+
+
+def test_quality_repeats_the_records_that_hold_code_in_any_turn(tmp_path):
+    from benchmarks.quality import write_code_repeats
+
+    def record(id, user, answer):
+        return {"id": id, "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+    records = [
+        record("fence", "Fix this", "Here:\n```python\nx = 1\n```"),
+        record("asked", "Why does\n    def f(x):\nfail?", "It lacks a return."),  # code in the user's turn only
+        record("c", "#include <stdio.h>\nint main() {}", "It prints nothing."),
+        record("prose", "What is a class in school?", "A group of students; import means to bring in."),
+    ]
+    regenerated, out = tmp_path / "regenerated.jsonl", tmp_path / "code-repeats.jsonl"
+    regenerated.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert write_code_repeats(regenerated, out, 3) == 3
+    copies = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [c["id"] for c in copies] == ["fence#2", "fence#3", "asked#2", "asked#3", "c#2", "c#3"]
+    assert copies[0]["messages"] == records[0]["messages"]
 
 
 def test_quality_eval_shards_balance_the_decoding_loops_each_shard_runs():
