@@ -227,8 +227,8 @@ def write_code_repeats(regenerated: Path, out: Path, repeats: int) -> int:
 def phase_up(work: Path, args, settings) -> dict:
     code = {}
     if args.code_repeats > 1:
-        code = {"code_records": write_code_repeats(work / settings.data.paths[0], work / CODE_REPEATS_FILE, args.code_repeats),
-                "code_repeats": args.code_repeats}
+        regenerated, repeats_file = map(Path, settings.data.paths)  # as write_config named them, resolved
+        code = {"code_records": write_code_repeats(regenerated, repeats_file, args.code_repeats), "code_repeats": args.code_repeats}
     cmd = [sys.executable, "-m", "ops.cli", "up", "--config", str(work / "run.toml"), "--no-live"]
     if args.tiny:
         cmd += ["--workers", "1"]
