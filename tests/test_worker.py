@@ -206,6 +206,31 @@ def test_a_warm_shutdown_does_not_wait_a_minute_for_the_command_listener(tmp_pat
     assert time.monotonic() - started < 5 and not worker.pubsub_thread.is_alive()
 
 
+def test_a_restart_asked_just_after_a_dequeue_finishes_that_chunk_first(tmp_path, redis_url, tiny_qwen35):
+    """RQ heartbeats once more between popping a chunk and starting it; a "restart" seen there used to stop the worker
+    with the chunk in no queue and no registry, to be found as an orphan 30 s later (and never, by a burst worker
+    that exits first). The request is sent at exactly that point: the worker must run that chunk, then stop."""
+    from ops.control import restart_worker
+    from workers.worker import ExtractionWorker
+
+    class RestartAskedAtDequeue(ExtractionWorker):
+        def reorder_queues(self, reference_queue):  # RQ calls it right after a successful dequeue
+            if not self.restart_requested:
+                restart_worker(self.run_ctx, self.name)
+            super().reorder_queues(reference_queue)
+
+    settings = settings_for(tmp_path, redis_url, tiny_qwen35)
+    run, report = admit_sample_data(settings, 40)
+    assert report.admitted >= 2
+    worker = RestartAskedAtDequeue(run, f"{HOST}.cpu0", "cpu")
+    worker.work(burst=True)
+    assert worker.restart_requested
+    assert len(stream_chunks(run.conn, run.keys)) == 1  # the chunk in hand, extracted and announced
+    queues = [Queue(run.keys.shared_queue, connection=run.conn), Queue(run.keys.worker_queue(worker.name), connection=run.conn)]
+    assert sum(q.count for q in queues) == report.admitted - 1  # the rest still queued, none lost or failed
+    assert sum(FailedJobRegistry(queue=q).count for q in queues) == 0
+
+
 def test_heartbeats_keep_a_long_chunk_alive_beyond_worker_ttl(tmp_path, redis_url, tiny_qwen35):
     """Chunks that take longer than worker_ttl are not declared abandoned while another worker watches."""
     settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"workers.worker_ttl": 2, "workers.heartbeat_seconds": 0.5,

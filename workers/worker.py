@@ -56,6 +56,7 @@ class ExtractionWorker(SimpleWorker):
         self.extractor: Extractor | None = None
         self._last_recovery = 0.0
         self.restart_requested = False
+        self._job_in_hand = False
 
     # --- lifecycle --------------------------------------------------------------------------------------
     def take_name(self) -> None:
@@ -102,7 +103,9 @@ class ExtractionWorker(SimpleWorker):
             # RQ's idle loop beats once per dequeue timeout without returning to us: look after dead peers and
             # control requests here too
             self._recover_peers()
-            if self._check_control():
+            # RQ beats once more after a dequeue: a stop raised there would abandon the chunk it just moved to its
+            # intermediate queue (RQ later fails it as stuck); _check_control has asked for a stop after that chunk
+            if self._check_control() and not self._job_in_hand:
                 raise StopRequested()
 
     def _check_control(self) -> bool:
@@ -192,7 +195,12 @@ class ExtractionWorker(SimpleWorker):
             return "store over budget"
         return None
 
+    def reorder_queues(self, reference_queue):
+        super().reorder_queues(reference_queue)
+        self._job_in_hand = True  # RQ reorders right after a successful dequeue
+
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        self._job_in_hand = False
         while (reason := self._must_wait()) is not None:
             self.set_state(WorkerStatus.SUSPENDED)
             self.procline(f"waiting: {reason}")
