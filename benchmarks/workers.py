@@ -206,7 +206,9 @@ class Bench:
             sys.exit(f"the worker exited with {proc.returncode} on a warm restart, not {EXIT_RESTART}")
         exited = time.time()
         # read now: a finished chunk's job hash expires 10 minutes after it ends (admission.FINISHED_JOB_TTL), and on a
-        # slow machine the second worker can outlast that (the likely reason a run on a loaded VM counted one too few)
+        # slow machine the second worker can outlast that. (A loaded VM once counted one too few, with no chunk finished
+        # but uncounted: the restart had stopped the worker between RQ's pop and the chunk's start; fixed in the worker,
+        # tests/test_worker.py sends the request at that point.)
         before = self.jobs(run)
         second = self.spawn(run, 0, burst=True)  # at once, as `dflashq up` restarts it
         if second.wait() != 0:
