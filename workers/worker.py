@@ -103,8 +103,9 @@ class ExtractionWorker(SimpleWorker):
             # RQ's idle loop beats once per dequeue timeout without returning to us: look after dead peers and
             # control requests here too
             self._recover_peers()
-            # RQ beats once more after a dequeue: a stop raised there would abandon the chunk it just moved to its
-            # intermediate queue (RQ later fails it as stuck); _check_control has asked for a stop after that chunk
+            # RQ beats once more after a dequeue: a stop raised there would leave the chunk it just popped in no queue
+            # and no registry (an orphan, re-queued only ORPHAN_SECONDS later); _check_control has asked RQ to stop
+            # after that chunk instead
             if self._check_control() and not self._job_in_hand:
                 raise StopRequested()
 
