@@ -35,13 +35,16 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST = socket.gethostname()
 
 
-def settings_for(tmp_path, redis_url, model, **extra):
+def overrides_for(tmp_path, redis_url, model, **extra) -> dict:
     overrides = {"run": "w", "redis.url": redis_url, "store.path": str(tmp_path / "store"), "model.path": model,
                  "data.paths": str(tmp_path / "data.jsonl"), "data.tokenize_processes": 1, "data.max_length": 512,
                  "data.chunk_tokens": 1024, "train.num_layers": 3, "workers.heartbeat_seconds": 0.5,
                  "workers.worker_ttl": 3, "backpressure.poll_seconds": 0.1}
-    overrides.update(extra)
-    return S.load(None, list(overrides.items()), environ={})
+    return {**overrides, **extra}
+
+
+def settings_for(tmp_path, redis_url, model, **extra):
+    return S.load(None, list(overrides_for(tmp_path, redis_url, model, **extra).items()), environ={})
 
 
 def admit_sample_data(settings, n):
@@ -228,6 +231,43 @@ def test_a_restart_asked_just_after_a_dequeue_finishes_that_chunk_first(tmp_path
     assert len(stream_chunks(run.conn, run.keys)) == 1  # the chunk in hand, extracted and announced
     queues = [Queue(run.keys.shared_queue, connection=run.conn), Queue(run.keys.worker_queue(worker.name), connection=run.conn)]
     assert sum(q.count for q in queues) == report.admitted - 1  # the rest still queued, none lost or failed
+    assert sum(FailedJobRegistry(queue=q).count for q in queues) == 0
+
+
+RESTART_NOW_AT_DEQUEUE = """
+import json, sys
+from dflashq import settings as S
+from ops.control import restart_worker
+from ops.redis_server import open_run
+from workers.worker import ExtractionWorker
+
+
+class RestartNowAtDequeue(ExtractionWorker):
+    def reorder_queues(self, reference_queue):  # RQ calls it right after a successful dequeue
+        restart_worker(self.run_ctx, self.name, now=True)
+        super().reorder_queues(reference_queue)
+
+
+RestartNowAtDequeue(open_run(S.load(None, json.loads(sys.argv[1]), environ={})), sys.argv[2], "cpu").work(burst=True)
+"""
+
+
+def test_a_restart_now_asked_just_after_a_dequeue_gives_that_chunk_back_too(tmp_path, redis_url, tiny_qwen35):
+    """`restart-worker --now` at the same point: the worker exits at once (os._exit, so in its own process), and the
+    chunk it had just popped is back in the queue or done when it has gone, not an orphan waiting 30 s for recovery."""
+    from workers.worker import EXIT_RESTART
+
+    run, report = admit_sample_data(settings_for(tmp_path, redis_url, tiny_qwen35), 40)
+    assert report.admitted >= 2
+    name = f"{HOST}.cpu0"
+    overrides = json.dumps(list(overrides_for(tmp_path, redis_url, tiny_qwen35).items()))
+    proc = subprocess.run([sys.executable, "-c", RESTART_NOW_AT_DEQUEUE, overrides, name], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_RESTART, proc.stderr[-3000:]
+    assert "restart now requested" in proc.stderr
+    queues = [Queue(run.keys.shared_queue, connection=run.conn), Queue(run.keys.worker_queue(name), connection=run.conn)]
+    announced, queued = stream_chunks(run.conn, run.keys), sum(q.count for q in queues)
+    assert len(announced) <= 1 and len(announced) + queued == report.admitted
     assert sum(FailedJobRegistry(queue=q).count for q in queues) == 0
 
 

@@ -112,7 +112,12 @@ class ExtractionWorker(SimpleWorker):
     def _check_control(self) -> bool:
         """Act on `dflashq restart-worker`: "restart" stops after the current chunk (returns True while idle, so
         the caller stops at once); "restart-now" gives the chunks back (front of the queue) and exits now."""
-        request = self.connection.getdel(self.run_ctx.keys.worker_control(self.name))
+        key = self.run_ctx.keys.worker_control(self.name)
+        if self._job_in_hand and self.get_state() != WorkerStatus.BUSY and self.connection.get(key) == b"restart-now":
+            # a chunk RQ just popped sits in no queue or registry until its start is recorded: giving the chunks back
+            # now would miss it, so the request stays for the job's own beat
+            return False
+        request = self.connection.getdel(key)
         if request == b"restart-now":
             requeued = recovery.release_worker(self.connection, self.run_ctx.keys, self.name, self.queues)
             log.warning("%s: restart now requested; re-queued %s", self.name, requeued or "nothing")
