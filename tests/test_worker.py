@@ -23,6 +23,7 @@ from dflashq import settings as S
 from dflashq.blob import decode_blob
 from dflashq.chunk import Chunk, Sample
 from dflashq.run import Run
+from ops.status import run_queues
 from producers.produce import produce
 from producers.records import data_fingerprint
 from producers.sample_data import write_sample_data
@@ -76,7 +77,7 @@ def assert_exactly_once(run, report):
     assert len(blobs) == report.admitted
     assert sorted(p.stem for p in blobs) == sorted(chunks)
     assert not list(Path(run.store.path("blobs", "e0")).glob(".*.tmp"))
-    queues = [Queue(keys.shared_queue, connection=conn)] + [Queue(keys.worker_queue(f"{HOST}.cpu{i}"), connection=conn) for i in range(2)]
+    queues = run_queues(run)
     assert sum(FailedJobRegistry(queue=q).count for q in queues) == 0
 
 
@@ -229,7 +230,7 @@ def test_a_restart_asked_just_after_a_dequeue_finishes_that_chunk_first(tmp_path
     worker.work(burst=True)
     assert worker.restart_requested
     assert len(stream_chunks(run.conn, run.keys)) == 1  # the chunk in hand, extracted and announced
-    queues = [Queue(run.keys.shared_queue, connection=run.conn), Queue(run.keys.worker_queue(worker.name), connection=run.conn)]
+    queues = run_queues(run)
     assert sum(q.count for q in queues) == report.admitted - 1  # the rest still queued, none lost or failed
     assert sum(FailedJobRegistry(queue=q).count for q in queues) == 0
 
@@ -265,7 +266,7 @@ def test_a_restart_now_asked_just_after_a_dequeue_gives_that_chunk_back_too(tmp_
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == EXIT_RESTART, proc.stderr[-3000:]
     assert "restart now requested" in proc.stderr
-    queues = [Queue(run.keys.shared_queue, connection=run.conn), Queue(run.keys.worker_queue(name), connection=run.conn)]
+    queues = run_queues(run)
     announced, queued = stream_chunks(run.conn, run.keys), sum(q.count for q in queues)
     assert len(announced) <= 1 and len(announced) + queued == report.admitted
     assert sum(FailedJobRegistry(queue=q).count for q in queues) == 0
