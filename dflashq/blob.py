@@ -28,12 +28,10 @@ import torch
 import zstandard
 
 from dflashq import defaults
+from dflashq.blob_format import CODEC_VERSIONS, FORMAT, FORMAT_VERSION
 from dflashq.exceptions import BlobError
 from dflashq.layer_ids import CONVENTION
 
-FORMAT = "dflashq-blob"
-CODEC_VERSIONS = {"bf16": 1, "fp8": 2}  # the format version each codec writes; a reader takes every one of them
-FORMAT_VERSION = max(CODEC_VERSIONS.values())
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value: a row's amax maps onto it
 # the largest error of a stored value relative to its row's amax: half a unit in the last place of 3 mantissa bits

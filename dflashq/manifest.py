@@ -10,7 +10,7 @@ import os
 
 import redis
 
-from dflashq.blob import CODEC_VERSIONS
+from dflashq.blob_format import CODEC_VERSIONS
 from dflashq.exceptions import ManifestMismatch
 from dflashq.keys import Keys
 from dflashq.layer_ids import CONVENTION
