@@ -49,3 +49,10 @@ class RejectedSample(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class TrainerOutOfMemory(DflashqError):
+    """A training step did not fit the device's memory. Often transient (another process held the GPU for a while),
+    so `dflashq up` starts the trainer again a few times (defaults.OUT_OF_MEMORY_RETRIES) before it stops the run."""
+
+    exit_code = 3

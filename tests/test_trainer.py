@@ -18,7 +18,7 @@ import torch
 
 from dflashq import defaults
 from dflashq import settings as S
-from dflashq.exceptions import ConfigError
+from dflashq.exceptions import ConfigError, TrainerOutOfMemory
 from dflashq.budget import used_bytes
 from dflashq.keys import TRAINER_GROUP
 from dflashq.run import Run
@@ -332,7 +332,7 @@ def test_out_of_memory_is_one_sentence_and_loses_nothing(tmp_path, redis_url, ti
         return real_backward(*args, **kwargs)
 
     monkeypatch.setattr(daemon, "backward", fits_four_times)
-    with pytest.raises(ConfigError, match=r"ran out of memory on cpu with \d+ samples, \d+ padded tokens of chunk "
+    with pytest.raises(TrainerOutOfMemory, match=r"ran out of memory on cpu with \d+ samples, \d+ padded tokens of chunk "
                                           r".*lower train.micro_batch_tokens \(now 1024\) or train.num_anchors"):
         Trainer(run, "cpu", progress=False).run_until_done()
     monkeypatch.setattr(daemon, "backward", real_backward)
