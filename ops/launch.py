@@ -11,7 +11,6 @@ the command exits 0.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import uuid
@@ -20,6 +19,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from dflashq import compat
 from dflashq.settings import Settings
 
 # Ranks asked to stop finish their step and the group's checkpoint within this before the launcher kills them; less
@@ -38,9 +38,7 @@ def settings_args(settings: Settings) -> list[str]:
 
 def launch_config(ranks: int, max_restarts: int = 0) -> LaunchConfig:
     """`ranks` processes on this node, their rendezvous on a free local port (what torchrun --standalone does)."""
-    # the stop grace is a LaunchConfig field only in newer torch (2.11 has none: its launcher's own default applies)
-    grace = ({"shutdown_timeout": RANKS_STOP_TIMEOUT_S}
-             if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {})
+    grace = compat.launch_stop_grace(RANKS_STOP_TIMEOUT_S)
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"dflashq-{uuid.uuid4().hex}",
                         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, **grace)
 

@@ -382,7 +382,7 @@ def layer_args(drafter, head, context, block_ids, anchors) -> tuple:
     rope_context = rope_cos_sin(torch.arange(context.shape[1]), cfg.head_dim, cfg.rope_theta)  # [T, D] x2
     mask = flex_block_mask(dflash_mask_mod(anchors, BLOCK, context.shape[1], None), anchors, BLOCK,
                            context.shape[1], None)
-    return drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask
+    return drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask, anchors
 
 
 def test_compiled_layer_computes_what_the_eager_layer_does(head, batch):

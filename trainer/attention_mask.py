@@ -122,3 +122,12 @@ def flex_block_mask(mask_mod: MaskMod, anchors: Tensor, block_size: int, context
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
                                     seq_lengths=(q_len, context_len + q_len))
+
+
+def with_lengths(mask: BlockMask, q_len: int, kv_len: int) -> BlockMask:
+    """The same tiles and rule for a query and key length computed where it is used: inside a compiled region, from
+    the sizes of the tensors passed to it, so that the key length is symbolic wherever the context length is."""
+    return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=mask.kv_num_blocks, kv_indices=mask.kv_indices,
+                     full_kv_num_blocks=mask.full_kv_num_blocks, full_kv_indices=mask.full_kv_indices,
+                     q_num_blocks=mask.q_num_blocks, q_indices=mask.q_indices, full_q_num_blocks=mask.full_q_num_blocks,
+                     full_q_indices=mask.full_q_indices, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod)

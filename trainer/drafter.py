@@ -11,7 +11,6 @@ frozen embed_tokens / lm_head live in a TargetHead passed to each call.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -25,7 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflashq import defaults
 from dflashq.exceptions import ConfigError
 from dflashq.layer_ids import default_layer_ids
-from trainer.attention_mask import DenseGroup, dense_groups, dflash_mask_mod, flex_block_mask
+from trainer.attention_mask import DenseGroup, dense_groups, dflash_mask_mod, flex_block_mask, with_lengths
 from trainer.fused import compiled, fused
 from trainer.target_head import TargetHead
 
@@ -267,15 +266,15 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # [b, Q, H]
 
 
-def _layer_sizes(layer, x, context, rope_block, rope_context, mask: BlockMask):
+def _layer_sizes(layer, x, context, rope_block, rope_context, mask: BlockMask, anchors: Tensor):
     # rows and the context length T, and with T the key tiles, change from one micro-batch to the next; the query
-    # length N*B (and its tiles) stays a constant of flex's kernel: symbolic, it halved the kernel's speed (_flex)
+    # length N*B (and its tiles) stays a constant of flex's kernel: symbolic, it halved the kernel's speed (_flex).
+    # The key length T + N*B is computed from these inside the region (run_layer), so no int needs marking.
     return [(x, [0]), (context, [0, 1]), *((t, [0]) for t in rope_block), *((t, [0]) for t in rope_context),
-            ("L['mask'].seq_lengths[1]", ()),  # T + N*B, read by flex_attention's length check
             (mask.kv_num_blocks, [0]), (mask.full_kv_num_blocks, [0]),
             (mask.kv_indices, [0, 3]), (mask.full_kv_indices, [0, 3]),
             *((t, [0, 2]) for t in (mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)),
-            (inspect.getclosurevars(mask.mask_mod).nonlocals["anchors"], [0])]  # [b, N], read by the mask rule
+            (anchors, [0])]  # [b, N], read by the mask rule
 
 
 def uses_flex(attention: Attention, x: Tensor) -> bool:
@@ -283,10 +282,13 @@ def uses_flex(attention: Attention, x: Tensor) -> bool:
     return attention == "flex" or (attention == "auto" and x.is_cuda)
 
 
-def run_layer(layer: DrafterLayer, x: Tensor, context: Tensor, rope_block, rope_context, mask) -> Tensor:
+def run_layer(layer: DrafterLayer, x: Tensor, context: Tensor, rope_block, rope_context, mask, anchors: Tensor) -> Tensor:
     # A whole layer as one compiled region in flex training: small drafters' steps waited on the CPU launching
     # hundreds of kernels (SmolLM2 shape on an H200: 38 ms of GPU work in a 61 ms step). One function for every
-    # layer: Dynamo takes the parameters as inputs, so the layers share one compilation.
+    # layer: Dynamo takes the parameters as inputs, so the layers share one compilation. `anchors` [b, N]: what the
+    # mask rule reads, passed so that its rows are marked with the others (_layer_sizes).
+    if isinstance(mask, BlockMask):
+        mask = with_lengths(mask, x.shape[1], context.shape[1] + x.shape[1])
     return layer(x, context, rope_block, rope_context, mask)  # [b, Q, H]
 
 
@@ -342,7 +344,7 @@ class DFlashDrafter(nn.Module):
             # not been run on a GPU
             run = fused(run_layer, x, torch.is_grad_enabled() and use_flex and not isinstance(layer, FSDPModule),
                         _layer_sizes)
-            x = run(layer, x, context, rope_block, rope_context, masks[layer_type])  # [b, Q, H]
+            x = run(layer, x, context, rope_block, rope_context, masks[layer_type], anchors)  # [b, Q, H]
         return self.norm(x).view(b, num_blocks, block_size, -1)  # [b, N, B, H]
 
     @torch.no_grad()

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import inspect
 import json
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from dflashq import compat
 from dflashq.blob import Blob
 from dflashq.capture import HiddenStateCapture
 from dflashq.exceptions import ConfigError, InputError
@@ -54,28 +53,11 @@ def _done(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
     return len(tokens) >= max_new_tokens or tokens[-1] in eos_ids
 
 
-@functools.cache
-def _cache_name(model_class: type) -> str:
-    """The forward keyword (and output field) of the KV cache: Transformers 5.24 renamed `past_key_values` to
-    `cache`, and pyproject.toml allows both sides of that."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
 def _forward(model: torch.nn.Module, input_ids: Tensor, cache=None, **kwargs):
     """One target forward with its cache under whichever name this Transformers uses; returns (output, cache)."""
-    name = _cache_name(type(model))
+    name = compat.cache_keyword(type(model))
     out = model(input_ids=input_ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
     return out, getattr(out, name)
-
-
-def _croppable(cache) -> bool:
-    # `is_croppable` exists from Transformers 5.17; before it, linear-attention layers are the ones crop() refuses.
-    # From 5.25 it also says yes for layers that could record their past states, yet crop() refuses them unless
-    # recording was switched on: a layer with `record_past` False cannot be cropped now.
-    croppable = getattr(cache, "is_croppable", None)
-    if croppable is None:
-        return not any(cache.is_linear)
-    return croppable and not any(getattr(layer, "record_past", None) is False for layer in cache.layers)
 
 
 @dataclasses.dataclass
@@ -114,7 +96,7 @@ def speculative_generate(target_model: torch.nn.Module, drafter: DFlashDrafter, 
             drafts = drafter.draft(context, last, context.shape[1], head, attention="sdpa",
                                    block_size=block_size)[0].argmax(-1)  # [block_size - 1]
             block = torch.cat([last, drafts])[None]  # [1, block_size]
-            snapshot = None if _croppable(cache) else copy.deepcopy(cache)
+            snapshot = None if compat.cache_croppable(cache) else copy.deepcopy(cache)
             out, cache = _forward(target_model, block, cache)
             greedy = out.logits[0].argmax(-1).tolist()  # [block_size] target's next token after each position
             n = accept_length(drafts.tolist(), greedy)

@@ -13,19 +13,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
-from torch._inductor import config as inductor_config
+
+from dflashq import compat
+
+_OPTIONS = compat.inductor_options()
 
 
-# Inductor's mix-order reduction (one kernel for a norm backward's row and column reductions) is chosen by tensor
-# size, which guards every compiled region on its rows: the SmolLM2 drafter's layer recompiled at 5 and at 14 rows
-# of a micro-batch (H200, torch 2.11, benchmarks/train.py --lengths chat); past Dynamo's limit of 8 compilations a
-# region runs eager. The non-strict mode skips the size test, so no guard.
-_OPTIONS = ({"triton.mix_order_reduction_non_strict_mode": True}
-            if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode") else {})
-
-
-# (tensor, its dims that change between calls), or (the Dynamo source name of an int argument, ())
-Varying = Callable[..., Iterable[tuple[Tensor | str | None, Sequence[int]]]]
+# (tensor, its dims that change between calls), for tensors among a region's arguments (None: an absent one)
+Varying = Callable[..., Iterable[tuple[Tensor | None, Sequence[int]]]]
 
 
 @functools.cache
@@ -43,18 +38,14 @@ def compiled(fn: Callable, varying: Varying | None = None) -> Callable:
 
 @contextlib.contextmanager
 def varying_sizes(varying: Varying, args: tuple):
-    """Dynamo compiles a region static first, then again each time a size first changes (automatic dynamic shapes):
-    a real run's log showed 11 recompiles, 75 s. Sizes that change from one micro-batch to the next (rows, context
-    length), marked dynamic before the first call, are symbolic from the first compilation: tensors' dims marked here,
-    ints named in torch.compiler.config.dynamic_sources while the region runs (where torch has it)."""
-    ints = []
+    """Dynamo compiles a region static first, then again each time a size first changes (automatic dynamic shapes),
+    which in a real run added up to minutes of recompiles. Sizes that change from one micro-batch to the next (rows,
+    context length), marked dynamic on the tensors passed in before the first call, are symbolic from the first
+    compilation; an int the region needs (a length) is computed inside it from these tensors' sizes."""
     for value, dims in varying(*args):
         if isinstance(value, Tensor):
             torch._dynamo.maybe_mark_dynamic(value, list(dims))
-        elif isinstance(value, str) and hasattr(torch.compiler.config, "dynamic_sources"):
-            ints.append(value)
-    with torch.compiler.config.patch(dynamic_sources=",".join(ints)) if ints else contextlib.nullcontext():
-        yield
+    yield
 
 
 def fused(fn: Callable, x: Tensor, training: bool, varying: Varying | None = None) -> Callable:
