@@ -84,6 +84,41 @@ class RankStats:
     tokens: int
 
 
+def drafter_config(run: Run, leader: bool) -> DrafterConfig:
+    """The drafter the run trains: the target's shape, train.* overrides, the MASK token (recorded in the manifest,
+    and said once per run by rank 0)."""
+    s, model_path = run.settings.train, run.settings.model.path
+    with open(Path(model_path) / "config.json") as f:
+        target_config = json.load(f)
+    text = target_config.get("text_config") or target_config
+    mask = resolve_mask_token(model_path, s.mask_token_id, text["vocab_size"])
+    shape = {name: getattr(s, name) for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                 "intermediate_size", "layer_types") if getattr(s, name)}
+    config = DrafterConfig.default_for_target(target_config, s.num_layers, run.layer_ids, mask_token_id=mask.id,
+                                              block_size=s.block_size, sliding_window=s.sliding_window,
+                                              rope_theta=s.rope_theta, **shape)
+    first_choice = run.manifest.get("mask_token_id") is None  # recorded only once the config is known valid
+    run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id})
+    if first_choice and leader:  # said once per run; the manifest and the export keep it
+        print(f"MASK token id {mask.id}: {mask.reason} (recorded in the run manifest).", flush=True)
+    return config
+
+
+def out_of_memory(device: torch.device, cfg, chunk: str, samples: int, padded_tokens: int) -> TrainerOutOfMemory:
+    """The sentence for a micro-batch that does not fit: what holds the GPU, and the settings that shrink it.
+    Nothing is lost: the chunk is not acknowledged, and the next start trains it from the last checkpoint."""
+    held = ""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        mine = torch.cuda.memory_reserved(device)
+        held = (f" (this trainer holds {mine / 2**30:.1f} GiB, other processes {(total - free - mine) / 2**30:.1f} "
+                f"GiB of {total / 2**30:.1f})")
+    return TrainerOutOfMemory(
+        f"The trainer ran out of memory on {device}{held} with {samples} samples, {padded_tokens} padded tokens of "
+        f"chunk {chunk}: lower train.micro_batch_tokens (now {cfg.micro_batch_tokens}) or train.num_anchors (now "
+        f"{cfg.num_anchors}), or give the trainer a GPU of its own (`up --trainer-gpus`).")
+
+
 class Trainer:
     def __init__(self, run: Run, device: str = "cpu", progress: bool = True, ranks: Ranks | None = None):
         """`ranks`: this process's place in a group it has joined (trainer.ranks.Ranks.joined); default one rank."""
@@ -93,21 +128,9 @@ class Trainer:
         self.ranks = ranks or Ranks()
         self.device = torch.device(device)
         self.progress = progress and self.ranks.leader
-        model_path = run.settings.model.path
-        with open(Path(model_path) / "config.json") as f:
-            target_config = json.load(f)
-        text = target_config.get("text_config") or target_config
-        self.head = TargetHead.from_pretrained(model_path, dtype=resolve_dtype("auto", self.device), device=self.device)
-        mask = resolve_mask_token(model_path, s.mask_token_id, text["vocab_size"])
-        shape = {name: getattr(s, name) for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
-                                                     "intermediate_size", "layer_types") if getattr(s, name)}
-        config = DrafterConfig.default_for_target(target_config, s.num_layers, run.layer_ids, mask_token_id=mask.id,
-                                                  block_size=s.block_size, sliding_window=s.sliding_window,
-                                                  rope_theta=s.rope_theta, **shape)
-        first_choice = run.manifest.get("mask_token_id") is None  # recorded only once the config is known valid
-        run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id})
-        if first_choice and self.ranks.leader:  # said once per run; the manifest and the export keep it
-            print(f"MASK token id {mask.id}: {mask.reason} (recorded in the run manifest).", flush=True)
+        self.head = TargetHead.from_pretrained(run.settings.model.path, dtype=resolve_dtype("auto", self.device),
+                                               device=self.device)
+        config = drafter_config(run, self.ranks.leader)
         torch.manual_seed(s.seed)
         self.drafter = DFlashDrafter(config).to(self.device)  # fp32 master weights, the same on every rank
         self.model = parallel.wrap(self.drafter, self.ranks, s.parallel, self.device)
@@ -226,22 +249,9 @@ class Trainer:
                 correct, count = correct + out.correct.detach().cpu(), count + out.count.detach().cpu()
         except torch.OutOfMemoryError:
             group = groups[j]
-            raise self._out_of_memory(entry, len(group), max(lengths[n] for n in group) * len(group)) from None
+            raise out_of_memory(self.device, self.cfg, entry.chunk, len(group),
+                                max(lengths[n] for n in group) * len(group)) from None
         return loss, correct, count, sum(lengths)
-
-    def _out_of_memory(self, entry: Entry, samples: int, padded_tokens: int) -> TrainerOutOfMemory:
-        """The sentence for a micro-batch that does not fit: what holds the GPU, and the settings that shrink it.
-        Nothing is lost: the chunk is not acknowledged, and the next start trains it from the last checkpoint."""
-        held = ""
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            mine = torch.cuda.memory_reserved(self.device)
-            held = (f" (this trainer holds {mine / 2**30:.1f} GiB, other processes {(total - free - mine) / 2**30:.1f} "
-                    f"GiB of {total / 2**30:.1f})")
-        return TrainerOutOfMemory(
-            f"The trainer ran out of memory on {self.device}{held} with {samples} samples, {padded_tokens} padded "
-            f"tokens of chunk {entry.chunk}: lower train.micro_batch_tokens (now {self.cfg.micro_batch_tokens}) or "
-            f"train.num_anchors (now {self.cfg.num_anchors}), or give the trainer a GPU of its own (`up --trainer-gpus`).")
 
     def _step(self, held: list[Entry], offers: list[Offer]) -> dict:
         """Train the agreed step on every rank and record it alike everywhere; returns the step's record."""
