@@ -113,6 +113,9 @@ CHECKPOINT_EVERY_MINUTES = 10.0
 LOSS_CHUNK_ROWS = 2048
 MICRO_BATCH_TOKENS = 8192  # padded tokens per forward/backward; a chunk's micro-batches make one optimizer step
 CLAIM_IDLE_SECONDS = 60.0  # stream entries a dead trainer left pending this long are claimed
+# `up` starts a trainer whose step ran out of memory again this many times in a row (with its backoff) before it
+# stops the run: another process may hold the GPU for a while; a step that never fits fails every time
+OUT_OF_MEMORY_RETRIES = 3
 TRAIN_LOG = "train_log.jsonl"
 READ_AHEAD_THREADS = 2  # host threads decoding blobs while a step trains: the next step's, and with retention keep after epoch 0 this many steps beyond it (trainer.prefetch)
 SLIDING_WINDOW = 2048  # used only by layers that train.layer_types makes sliding

@@ -4,8 +4,10 @@ launcher of its ranks; ops.placement decides which GPUs each gets).
 A child that crashes is started again with exponential backoff; a worker's chunks are re-queued (front) the moment
 it is seen dead, before the restart. A worker that exits asking for a restart (`dflashq restart-worker`) starts
 again at once. A child that exits twice in a row with a configuration or input error (exit 2: restarting cannot
-mend it) stops the run, and `up` ends with that child's sentence. Ctrl-C or SIGTERM stops everything gracefully:
-workers finish their chunk, the trainer checkpoints.
+mend it) stops the run, and `up` ends with that child's sentence. A trainer whose step ran out of memory (exit 3:
+often another process held the GPU for a while) is started again up to defaults.OUT_OF_MEMORY_RETRIES times in a
+row, each time saying what held the GPU, and stops the run only if it keeps running out. Ctrl-C or SIGTERM stops
+everything gracefully: workers finish their chunk, the trainer checkpoints.
 When the trainer has done its epochs, the workers and producer are stopped, the drafter is exported, and a summary
 is printed.
 """
@@ -25,8 +27,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from dflashq import defaults
 from dflashq.connection import redact
-from dflashq.exceptions import ChildFailed, RedisUnavailable
+from dflashq.exceptions import ChildFailed, RedisUnavailable, TrainerOutOfMemory
 from dflashq.run import Run
 from ops import status
 from ops.launch import settings_args
@@ -34,6 +37,7 @@ from workers import recovery
 from workers.worker import EXIT_RESTART, worker_name
 
 EXIT_USER_ERROR = 2  # DflashqError.exit_code: the CLI printed one sentence naming what to fix
+EXIT_OUT_OF_MEMORY = TrainerOutOfMemory.exit_code  # the CLI printed what held the memory and what shrinks the step
 USER_ERRORS_TO_STOP = 2  # in a row; one may be a race with a command that fixes it (a manifest write, say)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -50,6 +54,7 @@ class Child:
     start_after: float = 0.0
     done: bool = False
     user_errors: int = 0  # consecutive exits with EXIT_USER_ERROR
+    out_of_memory: int = 0  # consecutive exits with EXIT_OUT_OF_MEMORY
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # its own, over the supervisor's (the trainer's GPUs)
 
 
@@ -60,14 +65,19 @@ def child_environment(environ: dict[str, str]) -> dict[str, str]:
     return {**environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def error_sentence(log: Path) -> str:
+def last_sentence(log: Path) -> str | None:
     """What the child said last as a user error (the CLI's `dflashq: ...` line), from its log."""
     try:
         lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
     except FileNotFoundError:
         lines = []
     said = next((line for line in reversed(lines) if line.startswith("dflashq: ")), None)
-    return f"stopped the run: {said[len('dflashq: '):]}" if said else "exited twice with a configuration or input error"
+    return said[len("dflashq: "):] if said else None
+
+
+def error_sentence(log: Path) -> str:
+    said = last_sentence(log)
+    return f"stopped the run: {said}" if said else "exited twice with a configuration or input error"
 
 
 class Supervisor:
@@ -128,10 +138,20 @@ class Supervisor:
                 child.done = True
                 continue
             child.user_errors = child.user_errors + 1 if code == EXIT_USER_ERROR else 0
+            child.out_of_memory = child.out_of_memory + 1 if code == EXIT_OUT_OF_MEMORY else 0
             if child.user_errors >= USER_ERRORS_TO_STOP:
                 child.done = True
                 self.failure = f"{child.name} {error_sentence(self._log_path(child))} (log: {self._log_path(child)})"
                 continue
+            if child.out_of_memory:
+                said = last_sentence(self._log_path(child)) or "ran out of memory"
+                if child.out_of_memory > defaults.OUT_OF_MEMORY_RETRIES:
+                    child.done = True
+                    self.failure = (f"{child.name} stopped the run after running out of memory {child.out_of_memory} "
+                                    f"times in a row: {said} (log: {self._log_path(child)})")
+                    continue
+                self.console.log(f"{child.name} ran out of memory (try {child.out_of_memory} of "
+                                 f"{defaults.OUT_OF_MEMORY_RETRIES + 1}): {said}")
             child.restarts += code != EXIT_RESTART
             delay = 0.0 if code == EXIT_RESTART else self._backoff(child)
             child.start_after = now + delay
