@@ -78,6 +78,10 @@ REGENERATE_PROCESSES = 1
 REGENERATE_DECODER = "auto"
 REGENERATE_API_KEY = ""  # endpoint engine: sent as `Authorization: Bearer <key>` (vLLM/SGLang --api-key); better in the environment
 REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists
+# vLLM engines (regenerate --engine vllm, eval --engine vllm): the GPU share vLLM may take for weights and KV blocks,
+# and the rows it schedules at once (vLLM's own default), which sizes regenerate's calls
+VLLM_GPU_MEMORY_UTILIZATION = 0.85
+VLLM_MAX_NUM_SEQS = 256
 
 # `up`: the share of a node's GPUs that train when no earlier run of the same name measured both rates. With per-GPU
 # rates e (extraction) and t (training), extraction on G - T GPUs keeps T ranks busy when (G - T) e = T t, i.e. at
