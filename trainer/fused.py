@@ -17,9 +17,9 @@ from torch._inductor import config as inductor_config
 
 
 # Inductor's mix-order reduction (one kernel for a norm backward's row and column reductions) is chosen by tensor
-# size, which guards every compiled region on its rows: the SmolLM2 drafter's layer recompiled at 5 and at 14 rows
-# of a micro-batch (H200, torch 2.11, benchmarks/train.py --lengths chat); past Dynamo's limit of 8 compilations a
-# region runs eager. The non-strict mode skips the size test, so no guard.
+# size, which guards every compiled region on a micro-batch's rows, so a small drafter's layer recompiled as its rows
+# changed (docs/performance.md); past Dynamo's limit of 8 compilations a region runs eager. The non-strict mode
+# skips the size test, so no guard.
 _OPTIONS = ({"triton.mix_order_reduction_non_strict_mode": True}
             if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode") else {})
 
