@@ -78,6 +78,7 @@ def summarize(target: dict, dflash: dict, texts: tuple[list[str], list[str]]) ->
     all_passes = [n for p in passes for n in p]
     return {
         "engine": "vllm", "vllm_version": dflash["vllm_version"], "device": dflash["device"],
+        "model_runner": dflash.get("model_runner"),
         "prompts": len(passes),
         "mean_tau": round(sum(map(tau, passes)) / len(passes), 4) if passes else 0.0,
         "tau_pooled": round(sum(all_passes) / len(all_passes), 4) if all_passes else 0.0,
@@ -125,9 +126,12 @@ def evaluate_in_vllm(target: str, drafter_dir: str | Path, prompts: list[str | l
                                       "num_speculative_tokens": block - 1}}
         results = {kind: _run_child(dict(job, kind=kind), work, device) for kind in ("target", "dflash")}
         states = None
-        if capture_states:
-            states = _run_child(dict(job, kind="capture", capture=capture_states, target_path=target,
-                                     drafter=str(drafter_dir)), work, device)
+        if capture_states:  # a comparison reaching into vLLM's internals: its failure costs the figures above nothing
+            try:
+                states = _run_child(dict(job, kind="capture", capture=capture_states, target_path=target,
+                                         drafter=str(drafter_dir)), work, device)
+            except DflashqError as exc:
+                states = {"states": {"error": str(exc)}}
     full = [r["levels"][-1]["token_ids"] for r in (results["target"], results["dflash"])]
     texts = tuple([tokenizer.decode(ids) for ids in rows] for rows in full)  # as dflashq eval decodes
     report = {"target": str(target), "drafter": str(drafter_dir), "max_new_tokens": max_new_tokens,
@@ -223,8 +227,8 @@ def _child(job_file: str) -> None:
     engine_args = dict(job["engine"])
     if kind != "target":
         engine_args["speculative_config"] = job["speculative_config"]
-    if kind == "capture":
-        engine_args["enable_prefix_caching"] = False  # every prompt token's state must be computed, not reused
+    if kind == "capture":  # every prompt token's state computed, not reused; no compilation for a few prompts
+        engine_args.update(enable_prefix_caching=False, enforce_eager=True)
     started = time.perf_counter()
     llm = vllm.LLM(**engine_args)
     init_s = time.perf_counter() - started
@@ -240,8 +244,9 @@ def _child(job_file: str) -> None:
         return
     engine = llm.llm_engine
     _closed_loop(engine, prompt_ids[:1], 1, params(16), "warmup")  # first-call costs, outside every figure
+    config = getattr(engine, "vllm_config", None)
     result = {"vllm_version": vllm.__version__, "device": current_platform.get_device_name(), "init_s": init_s,
-              "levels": []}
+              "model_runner": "v2" if getattr(config, "use_v2_model_runner", False) else "v1", "levels": []}
     before = _counters(llm) if kind == "dflash" else None
     columns = (TextColumn(f"vllm {kind}" + " c={task.fields[c]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("prompts"), TimeElapsedColumn())
