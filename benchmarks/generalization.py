@@ -41,7 +41,7 @@ from trainer.target_head import TargetHead  # noqa: E402
 
 
 def trained_records(path: str, samples: int) -> list[dict]:
-    """`samples` records spread evenly over the data file: its first ones alone are no fair sample (README)."""
+    """`samples` records spread evenly over the data file: its first ones alone are no fair sample (benchmarks/RESULTS.md)."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     picked = np.linspace(0, len(lines) - 1, min(samples, len(lines))).round().astype(int)

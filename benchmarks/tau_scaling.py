@@ -1,6 +1,6 @@
 """Tau against trained tokens over the quality benchmark's recorded runs (benchmarks/results/quality-*.json), with a
 power-law fit of tau - 1 per benchmark over the runs of one recipe (learning rate, anchors), and what the fit asks
-for the issue's goal: the trained tokens for tau 2.5 on MT-Bench and 3.0 on HumanEval, and the GPU-minutes they take
+for the quality benchmark's bar: the trained tokens for tau 2.5 on MT-Bench and 3.0 on HumanEval, and the GPU-minutes they take
 at the trainer's measured rate. Writes a PNG and prints one JSON line.
 
 Only like is compared with like: drafters trained on bf16 blobs, tau on the first 24 prompts of each set (every run

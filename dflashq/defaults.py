@@ -41,11 +41,9 @@ WORKER_TTL = 30  # a worker silent this long is dead; its chunk is re-queued
 # above the milliseconds between a live worker's pop and RQ recording the start
 ORPHAN_SECONDS = 30
 JOB_TIMEOUT = 3600
-COMPRESS_LEVEL = 1  # measured: on bf16 activations level 1 compresses as well as 3 and runs about 2x faster
+COMPRESS_LEVEL = 1  # on bf16 states level 1 compresses about as well as 3, in about half the time
 WRITER_THREADS = 4  # zstd's threads per blob
-# blobs encoded and written at once, each on its own thread: on a SmolLM2-sized target 2 extracted 7% faster than 1
-# and 3 slower (README, Performance)
-WRITERS = 2
+WRITERS = 2  # blobs encoded and written at once, each on its own thread: a second keeps a fast forward from waiting
 FUSED_KERNELS = True  # flash-linear-attention's kernels for the hybrid Qwen layers on a GPU (workers/fused_kernels.py)
 MAX_SPLITS = 4
 
@@ -56,34 +54,33 @@ REGENERATE_ENABLE_THINKING = True  # what Qwen3-style templates do by default; t
 REGENERATE_CONCURRENCY = 64  # endpoint engine: requests in flight
 REGENERATE_TIMEOUT_SECONDS = 600.0  # endpoint engine: one request, a whole non-streamed response
 REGENERATE_RETRIES = 5  # endpoint engine: after connection errors, timeouts, 5xx, 429 and malformed bodies
-# transformers engine: rows x (longest prompt + max_new_tokens) per generate call; 0 = sized from the device. A decode
-# step costs about the same at 1 row as at 512 (measured on an H200: ~70 ms for a 30-layer 135M model, launch bound),
-# so throughput grows with rows until memory runs out: on a GPU the KV cache may take this share of free memory,
+# transformers engine: rows x (longest prompt + max_new_tokens) per batch; 0 = sized from the device: a decode step
+# costs about the same for 1 row as for hundreds, so throughput grows with rows until memory runs out
 REGENERATE_BATCH_TOKENS = 0
-REGENERATE_MEMORY_FRACTION = 0.4
+REGENERATE_MEMORY_FRACTION = 0.4  # on a GPU the KV cache may take this share of free memory
 REGENERATE_MAX_ROWS = 1024  # beyond it the per-step logits and sampling outgrow what more rows gain
 REGENERATE_CPU_BATCH_TOKENS = 65536  # batch_tokens 0 on the CPU
-# transformers engine: what one more decode batch costs, in cached tokens (rows x (longest prompt + max_new_tokens)):
-# a batch is cut where padding its rows to the longest would cost more (producers/decode_batches.py). Measured on an
-# H100, SmolLM2-135M, 2,000 of the quality benchmark's conversations: a batch took about 1 s + 5 us x rows x width,
-# i.e. the fixed part is worth about 200k cached tokens (a bare decode step of random SmolLM2-shaped weights on an H200: about 3.7 ms + 9 ns x rows x width). A larger
+# transformers engine: what one more decode batch costs, in cached tokens; batches are cut where padding rows to the
+# longest would cost more (producers/decode_batches.py). Fitted on a small target (docs/performance.md); a larger
 # target reads more cache per token, so its fixed part is worth fewer tokens; a very large value packs batches full.
 REGENERATE_BATCH_FIXED_TOKENS = 200_000
 # transformers engine: processes sharing the device (generate is bound by the core launching its kernels)
 REGENERATE_PROCESSES = 1
 # transformers engine: how a batch is decoded. "static": a static KV cache with each decode step replayed as one CUDA
 # graph (producers/static_decoder.py; greedy, attention-only Llama/Mistral/Qwen2/Qwen3 targets); "generate":
-# Transformers' generate; "auto": static on a GPU where it applies, else generate. (Transformers' continuous batching,
-# generate_batch, was measured too and dropped: 2,013 tokens/s against generate's 3,235, H200, SmolLM2-135M.)
+# Transformers' generate; "auto": static on a GPU where it applies, else generate.
 REGENERATE_DECODER = "auto"
 REGENERATE_API_KEY = ""  # endpoint engine: sent as `Authorization: Bearer <key>` (vLLM/SGLang --api-key); better in the environment
 REGENERATE_SERVED_MODEL = ""  # endpoint engine: empty = the first model the server's /v1/models lists
+# vLLM engines (regenerate --engine vllm, eval --engine vllm): the GPU share vLLM may take for weights and KV blocks,
+# and the rows it schedules at once (vLLM's own default), which sizes regenerate's calls
+VLLM_GPU_MEMORY_UTILIZATION = 0.85
+VLLM_MAX_NUM_SEQS = 256
 
-# `up`: the share of a node's GPUs that train when no earlier run of the same name measured both rates. With per-GPU
-# rates e (extraction) and t (training), extraction on G - T GPUs keeps T ranks busy when (G - T) e = T t, i.e. at
-# T = G e / (e + t). Measured on an H200 for a Qwen3.6-27B target (README, Performance): e = 10,260 tokens/s end to
-# end, t = 2.93 samples/s x 4096 tokens = 12,001 tokens/s.
-TRAINER_GPU_SHARE = 10_260 / (10_260 + 12_001)
+# `up`: e / (e + t), the share of a node's GPUs that train before any run of the same name measured its own rates e
+# (a GPU worker's tokens/s) and t (a trainer rank's): extraction on G - T GPUs keeps T ranks busy at T = G e / (e + t).
+# The ratio of a Qwen3.6-27B target's rates on one GPU (docs/performance.md, how up splits the GPUs).
+TRAINER_GPU_SHARE = 0.46
 
 # dashboard
 DASHBOARD_HOST = "127.0.0.1"

@@ -7,8 +7,8 @@ CONVENTION = "z-lab (id t = output of decoder layer t, 0-based = hidden_states[t
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFLASH.md's rule: n == 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1)) with Python's round() (half to
-    even), as z-lab's `build_target_layer_ids`, SpecForge and SGLang compute it: a server that derives the ids
+    """The DFlash rule (docs/architecture.md): n == 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1)) with Python's
+    round() (half to even), as z-lab's `build_target_layer_ids`, SpecForge and SGLang compute it: a server that derives the ids
     itself must get the ones the drafter was trained on. L=36 -> [1, 9, 17, 25, 33]; L=30 -> [1, 8, 14, 20, 27]."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]

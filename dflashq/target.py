@@ -74,7 +74,23 @@ def load_target(
 def eos_ids(model, tokenizer) -> set[int]:
     """Every id that ends a turn: the generation config's (often several) and the tokenizer's. Generation
     (regenerate) and evaluation (eval) must stop on the same ids."""
-    configured = model.generation_config.eos_token_id
+    return _turn_ends(model.generation_config, tokenizer)
+
+
+def eos_ids_of_folder(path: str, tokenizer) -> set[int]:
+    """eos_ids without loading the weights (for engines that load the target themselves, as vLLM does): the folder's
+    generation_config.json, else the one Transformers derives from its config.json."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path).get_text_config())
+    return _turn_ends(generation_config, tokenizer)
+
+
+def _turn_ends(generation_config, tokenizer) -> set[int]:
+    configured = generation_config.eos_token_id
     ids = set(configured if isinstance(configured, (list, tuple)) else [configured]) | {tokenizer.eos_token_id}
     return {int(i) for i in ids if i is not None}
 

@@ -1,4 +1,4 @@
-"""Run status as one dict: the stable JSON interface of `dflashq status --json` (documented in the README)."""
+"""Run status as one dict: the stable JSON interface of `dflashq status --json` (documented in docs/operations.md)."""
 
 from __future__ import annotations
 

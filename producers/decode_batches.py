@@ -3,9 +3,8 @@ the least in all.
 
 Why: every row of a batch is padded to its longest prompt, and every decode step reads each row's whole cache (longest
 prompt + max_new_tokens columns). Filling each batch up to the KV budget, longest first, put a few long multi-turn
-histories and hundreds of short ones in one batch: on an H100 (SmolLM2-135M, 2,000 of the quality benchmark's
-ShareGPT conversations) the first batch was 474 rows padded to 2,821 tokens, about 330 of them shorter than 551, and
-took a third of the run. Each extra batch costs too (its decode steps' fixed work, a graph capture, a prompt forward), so the
+histories and hundreds of short ones in one batch, and that batch took a large share of the run
+(docs/performance.md). Each extra batch costs too (its decode steps' fixed work, a graph capture, a prompt forward), so the
 cut is a trade-off: a batch of R rows whose longest prompt is L costs `fixed + R x (L + max_new_tokens)` cached tokens
 (defaults.REGENERATE_BATCH_FIXED_TOKENS), and the plan minimizing the sum over batches is found exactly by dynamic
 programming over the sorted prompts.

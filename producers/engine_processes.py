@@ -1,7 +1,7 @@
 """Several transformers engines in child processes sharing one device, behind the Engine interface.
 
-Transformers' generate is bound by the CPU core that launches its kernels: on an H200 regenerating with
-SmolLM2-135M, one core ran at 100% while the GPU was under a third busy. regenerate.processes = N starts N
+Transformers' generate is bound by the CPU core that launches its kernels: with a small target one core runs at
+100% while the GPU is mostly idle. regenerate.processes = N starts N
 TransformersEngines (spawned processes, each its own CUDA context on the same device, each sizing its KV cache from
 1/N of the free memory) and deals every respond() call's histories out among them. Where the KV budget rather than
 the core bounds the rows in flight (long prompts), N processes hold no more rows than one; `benchmarks/regenerate.py`

@@ -62,6 +62,34 @@ class Engine(Protocol):
         ...
 
 
+def chat_prompts(tokenizer, histories: list[Conversation], enable_thinking: bool
+                 ) -> tuple[list[Reply | None], list[tuple[int, list[int]]]]:
+    """Each history rendered by the target's chat template up to where it speaks next, as (index, token ids); a
+    history the template refuses gets its error Reply at its index instead (the others are None, to be answered)."""
+    replies: list[Reply | None] = [None] * len(histories)
+    texts = []
+    for index, history in enumerate(histories):
+        try:
+            texts.append((index, tokenizer.apply_chat_template(
+                history.messages, tools=history.tools, tokenize=False, add_generation_prompt=True,
+                enable_thinking=enable_thinking)))
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            replies[index] = Reply(error=f"chat template error: {exc}")
+    # one call for the whole pool: the fast tokenizer spreads it over the cores while the device waits
+    encoded = tokenizer([text for _, text in texts], add_special_tokens=False)["input_ids"] if texts else []
+    return replies, [(index, row) for (index, _), row in zip(texts, encoded)]  # the template renders BOS itself
+
+
+def decoded_reply(tokenizer, tokens: list[int], eos_ids: set[int]) -> Reply:
+    """The Reply of one generated row: cut after its first end-of-turn id (finished rows are padded after it);
+    truncated when it has none, i.e. it stopped at regenerate.max_new_tokens."""
+    end = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    kept = tokens if end is None else tokens[: end + 1]
+    # skip_special_tokens drops the end-of-turn token, which the chat template adds back when rendering the turn
+    content = tokenizer.decode(kept, skip_special_tokens=True)
+    return Reply(content, tokens=len(kept), truncated=end is None)
+
+
 # --- Transformers, on a local device ----------------------------------------------------------------------
 class TransformersEngine:
     """The target from model.path on one device: length-sorted, left-padded batches, cut where padding would cost
@@ -124,28 +152,12 @@ class TransformersEngine:
         return config
 
     def respond(self, histories: list[Conversation]) -> list[Reply]:
-        replies: list[Reply | None] = [None] * len(histories)
-        texts = []
-        for index, history in enumerate(histories):
-            try:
-                texts.append((index, self._prompt_text(history)))
-            except (jinja2.TemplateError, ValueError, TypeError) as exc:
-                replies[index] = Reply(error=f"chat template error: {exc}")
-        # one call for the whole pool: the fast tokenizer spreads it over the cores while the device waits (one call
-        # per history took 5.3 s for 3,384 histories on 2 cores, one call 3.0 s)
-        encoded = self.tokenizer([text for _, text in texts], add_special_tokens=False)["input_ids"] if texts else []
-        prompts = [(index, row) for (index, _), row in zip(texts, encoded)]  # the template renders BOS itself
+        replies, prompts = chat_prompts(self.tokenizer, histories, self.options.enable_thinking)
         prompts.sort(key=lambda item: len(item[1]), reverse=True)  # longest first: out of memory shows at once
         for batch in self._batches(prompts):
             for (index, _), reply in zip(batch, self._generate([ids for _, ids in batch])):
                 replies[index] = reply
         return replies
-
-    def _prompt_text(self, history: Conversation) -> str:
-        return self.tokenizer.apply_chat_template(
-            history.messages, tools=history.tools, tokenize=False, add_generation_prompt=True,
-            enable_thinking=self.options.enable_thinking,
-        )
 
     def _batches(self, prompts: list[tuple[int, list[int]]]):
         """The longest-first prompts in consecutive runs of least total cost (producers/decode_batches.py)."""
@@ -165,7 +177,7 @@ class TransformersEngine:
                 torch.cuda.empty_cache()
             half = len(rows) // 2  # the longest rows come first: both halves are about as wide as the whole
             return self._generate(rows[:half]) + self._generate(rows[half:])
-        return [self._reply(tokens) for tokens in generated]
+        return [decoded_reply(self.tokenizer, tokens, self.eos_ids) for tokens in generated]
 
     @torch.inference_mode()
     def _transformers_generate(self, rows: list[list[int]]) -> list[list[int]]:
@@ -175,14 +187,6 @@ class TransformersEngine:
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                   generation_config=self.generation_config)
         return out[:, width:].tolist()
-
-    def _reply(self, tokens: list[int]) -> Reply:
-        end = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)  # finished rows are padded after it
-        kept = tokens if end is None else tokens[: end + 1]
-        # skip_special_tokens drops the end-of-turn token, which the chat template adds back when rendering the turn
-        content = self.tokenizer.decode(kept, skip_special_tokens=True)
-        return Reply(content, tokens=len(kept), truncated=end is None)
-
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """K and V of one token in every layer that caches them: linear-attention layers keep a fixed-size state and are

@@ -1,11 +1,11 @@
 """Greedy decoding of attention-only targets with a static KV cache, each decode step one CUDA graph replay.
 
-Why: Transformers' `generate` is launch bound for small targets: on an H200, SmolLM2-135M regenerated 3,235 tokens/s
-with up to 1024 rows (its continuous batching, `generate_batch`, 2,013), the GPU mostly idle between the Python and
-kernel-launch work of each step. Here a batch's left-padded rows share one preallocated cache
+Why: Transformers' `generate` is launch bound for small targets (as is its continuous batching, `generate_batch`):
+the GPU sits mostly idle between the Python and kernel-launch work of each step. Here a batch's left-padded rows share one preallocated cache
 [layers, rows, kv_heads, width + max_new_tokens, head_dim]; the prompt is one forward, and every decode step (all
 layers, the head, the argmax and the bookkeeping) is captured once as a CUDA graph and replayed, so a step costs
-no Python or launch work (measured 3.6x generate's tokens/s; `seconds` says where a batch's time goes). It runs the
+no Python or launch work (several times generate's tokens/s: docs/performance.md; `seconds` says where a batch's
+time goes). It runs the
 target's own modules (embedding, norms, projections, rotary embedding, MLP, head); only the attention over the cache
 is written here, as softmax(q k^T * scaling) v per key/value head group. On the CPU the same step runs eagerly (tests
 check it against `generate`, token for token).

@@ -1,5 +1,5 @@
 """The benchmark scripts in their CPU modes: they run, and what they report adds up (figures only mean something
-on the GPU; see the README's performance table)."""
+on the GPU; see docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_produce_benchmark_admits_every_conversation():
 
 
 def test_worker_shape_buckets_cost_at_most_two_percent_in_padding_on_real_conversations():
-    """Issue 13: the power-of-two row buckets that let kernels autotune once per host, on ShareGPT prompts with a
+    """The power-of-two row buckets that let kernels autotune once per host, on ShareGPT prompts with a
     target's own answers (the quality benchmark's data), as the producer packs them."""
     report, _ = bench("produce.py", "--data", "benchmarks/results/regenerated-smollm2-sharegpt-3000.jsonl.gz",
                       "--processes", "1")

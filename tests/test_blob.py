@@ -182,7 +182,7 @@ def test_fp8_about_halves_the_bytes_of_the_lossless_codec():
     _, ids, mask, offsets = _chunk(torch.bfloat16)
     bf16 = sum(len(b) for b in encode_blob(hidden, ids, mask, offsets, META))
     fp8 = sum(len(b) for b in encode_blob(hidden, ids, mask, offsets, META, codec="fp8"))
-    # e4m3 bytes of Gaussian values hold ~6.5 bits of entropy: 0.54x of the lossless codec here (README, Performance)
+    # e4m3 bytes of Gaussian values hold ~6.5 bits of entropy: 0.54x of the lossless codec here (benchmarks/RESULTS.md)
     assert fp8 <= 0.56 * bf16, (fp8, bf16)
 
 

@@ -358,7 +358,7 @@ def test_compiled_elementwise_regions_compute_what_the_eager_code_does():
 def test_autocast_training_forward_computes_what_the_served_bf16_drafter_does(head, batch):
     """The trainer keeps fp32 master weights under bf16 autocast; servers run the exported drafter with bf16 weights.
     Both must compute the same thing: bf16 queries, keys and residual stream (an fp32 norm weight under autocast
-    once made them fp32, doubling attention's time on an H200). Checked on the CPU, where autocast runs too."""
+    once made them fp32, doubling attention's time on a GPU). Checked on the CPU, where autocast runs too."""
     context, block_ids, anchors, _ = batch
     drafter = make_drafter([FULL, FULL])
     served = make_drafter([FULL, FULL]).to(torch.bfloat16)
@@ -400,7 +400,7 @@ def test_compiled_layer_computes_what_the_eager_layer_does(head, batch):
 def test_compiled_regions_compile_once_for_a_runs_changing_rows_and_lengths(head):
     """A run's micro-batches change their rows and context length (and with it the key tiles) from one to the next;
     marked dynamic up front, the layer region, the norm and the loss chunk each compile once (Dynamo alone compiles
-    static first, then again at each first change: 11 recompiles, 75 s in a real run on an H200). Counted with
+    static first, then again at each first change: 11 recompiles, 75 s in a real GPU run). Counted with
     a counting backend: the CPU's Inductor fails to build flex_attention with symbolic sizes (torch 2.13), and the
     graphs Dynamo captures are what decides the compilations."""
     from trainer.drafter import _leading_sizes, rms_norm, run_layer

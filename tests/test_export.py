@@ -35,7 +35,7 @@ def drafter(tiny_qwen35) -> DFlashDrafter:
 
 
 def expected_shapes(h: int, k: int, q: int, kv: int, d: int, inter: int) -> dict[str, tuple[int, ...]]:
-    """DFLASH.md's tensor list, spelled out independently of the drafter's module names."""
+    """The export's tensor list (docs/architecture.md), spelled out independently of the drafter's module names."""
     shapes = {"fc.weight": (h, k * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
     for i in range(NUM_LAYERS):
         p = f"layers.{i}."

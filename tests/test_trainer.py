@@ -269,7 +269,7 @@ def test_drafter_shape_comes_from_train_settings_and_must_match_the_checkpoint(t
 
 def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(tmp_path, redis_url, tiny_qwen35):
     """A producer still reading a large dataset has not counted epoch 0: the horizon is unknown, and the rate must
-    warm up and hold rather than decay to zero after one step (found on an H200: lr 0 from step 2 on); once the
+    warm up and hold rather than decay to zero after one step (found in a GPU run: lr 0 from step 2 on); once the
     total is known the cosine decays towards zero."""
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.warmup_ratio": 0.1})
     run, report = produce_and_extract(settings, conversations=48)
@@ -300,7 +300,7 @@ def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(t
 def test_learning_rate_follows_the_producers_estimate_before_the_count(tmp_path, redis_url, tiny_qwen35):
     """An input whose record count is known (JSONL): the producer's running estimate of epoch 0 sets the horizon
     from the first step, so the rate warms up over warmup_ratio of the run and decays along one cosine, with no jump
-    when the count arrives (found on an H200: held at its peak for 228 of 278 steps, then 8% of it)."""
+    when the count arrives (found in a GPU run: held at its peak for 228 of 278 steps, then 8% of it)."""
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.warmup_ratio": 0.1})
     run, report = produce_and_extract(settings, conversations=48)
     total = run.conn.get(run.keys.epoch_total(0))

@@ -171,7 +171,7 @@ def test_sigkill_mid_chunk_loses_and_duplicates_nothing(tmp_path, redis_url, tin
         else:
             procs.pop(0)
         ttl = settings.workers.worker_ttl
-        bound = ttl + ttl / 2 + max(1, ttl - 15) + 5  # README: expiry + recovery interval + dequeue timeout (+ slack)
+        bound = ttl + ttl / 2 + max(1, ttl - 15) + 5  # docs/operations.md: expiry + recovery interval + dequeue timeout (+ slack)
         while not int(conn.get(run.keys.requeued) or 0):
             assert time.monotonic() - killed_at < (60 if restart else bound), "the killed worker's chunk was never re-queued"
             time.sleep(0.1)

@@ -139,7 +139,7 @@ class RMSNorm(nn.Module):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # Normalise in fp32 and scale in the input dtype, as Qwen3 does (bf16 statistics lose acceptance). The fp32
     # master weight is cast too: under autocast an fp32 product would carry fp32 queries and keys into attention
-    # (2x its time on an H200) and an fp32 residual stream, where the served bf16 model has bf16 throughout.
+    # (twice its time) and an fp32 residual stream, where the served bf16 model has bf16 throughout.
     x32 = x.float()  # [..., size]
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., size]
     return weight.to(x.dtype) * normed.to(x.dtype)  # [..., size]
@@ -219,8 +219,8 @@ class DrafterAttention(nn.Module):
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """SDPA with a boolean mask. On CUDA pinned to the memory-efficient kernel: torch's first choice there, cuDNN,
-    builds an execution plan for every new shape, and every micro-batch of a run brings new shapes (a step took
-    1.1 s instead of 0.14 s on an H200, benchmarks/train.py --lengths varied)."""
+    builds an execution plan for every new shape, and every micro-batch of a run brings new shapes (several times
+    slower steps: docs/performance.md)."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, hq, Qg, D]
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
@@ -232,7 +232,7 @@ def _flex(on_gpu: bool):
     # automatic dynamic shapes: the first shape compiles static, the second makes only the sizes that changed
     # symbolic (rows, context length), while the query length (anchors x block: trainer.anchors' exact count in
     # training) stays a constant of the kernel; dynamic=True made it symbolic too, which halved the kernel's speed
-    # (SmolLM2 drafter shape on an H200: 5.8 vs 2.9-3.6 ms forward + backward). Inside a compiled layer region the
+    # (docs/performance.md). Inside a compiled layer region the
     # region's compilation takes flex_attention in.
     return compiled(flex_attention) if on_gpu and not torch.compiler.is_compiling() else flex_attention
 
@@ -284,9 +284,9 @@ def uses_flex(attention: Attention, x: Tensor) -> bool:
 
 def run_layer(layer: DrafterLayer, x: Tensor, context: Tensor, rope_block, rope_context, mask, anchors: Tensor) -> Tensor:
     # A whole layer as one compiled region in flex training: small drafters' steps waited on the CPU launching
-    # hundreds of kernels (SmolLM2 shape on an H200: 38 ms of GPU work in a 61 ms step). One function for every
-    # layer: Dynamo takes the parameters as inputs, so the layers share one compilation. `anchors` [b, N]: what the
-    # mask rule reads, passed so that its rows are marked with the others (_layer_sizes).
+    # hundreds of kernels (docs/performance.md). One function for every layer: Dynamo takes the parameters as
+    # inputs, so the layers share one compilation. `anchors` [b, N]: what the mask rule reads, passed so that its
+    # rows are marked with the others (_layer_sizes).
     if isinstance(mask, BlockMask):
         mask = with_lengths(mask, x.shape[1], context.shape[1] + x.shape[1])
     return layer(x, context, rope_block, rope_context, mask)  # [b, Q, H]

@@ -154,6 +154,14 @@ def read_prompts(path: str | Path) -> list[str | list[dict]]:
     return prompts
 
 
+def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """A prompt (one user message, or a chat) through the target's chat template, up to where the assistant speaks:
+    every engine that evaluates a drafter starts from these ids."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
 class PromptEvaluator:
     """The target and an exported drafter, loaded once: speculative decoding of one prompt at a time (chat template
     applied, greedy), optionally checked against plain greedy decoding."""
@@ -179,9 +187,7 @@ class PromptEvaluator:
         """tau, passes and text of one prompt; lossless (None when not checked) with the first differing index and
         the logit margin between the two picks there (mismatch_margin).
         The greedy check costs a target forward per token, more than the speculative run itself."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True)["input_ids"]
+        prompt_ids = chat_prompt_ids(self.tokenizer, prompt)
         spec = speculative_generate(self.target, self.drafter, self.head, prompt_ids, max_new_tokens, self.stop_ids)
         mismatch = margin = None
         if check_lossless:

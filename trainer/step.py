@@ -121,7 +121,7 @@ def loss_shares(drawn: list[Blocks]) -> Tensor:
     """Each micro-batch's share of its chunk's loss: its valid slots' decay weight over the whole chunk's. Each
     micro-batch's loss is a weighted mean over its own slots, so the shares make their sum the loss of the chunk as
     one batch, every block weighing the same; a plain mean weighed a micro-batch of one long sample as much as one of
-    ten short ones (the likely reason split chunks learned less in the same steps: README, Performance). [M] fp32."""
+    ten short ones (the likely reason split chunks learned less in the same steps: docs/performance.md). [M] fp32."""
     weights = torch.stack([loss_weight(blocks.slot_valid) for blocks in drawn])  # [M]
     return weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)  # [M]
 

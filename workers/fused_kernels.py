@@ -3,8 +3,8 @@ targets (Qwen3.5/3.6 dense and MoE, Qwen3-Next), on a GPU.
 
 Transformers already runs these models' gated delta rule with fla, but not the code around it: the short
 convolution falls back to `F.conv1d` (plus transposes and a separate SiLU) unless the causal-conv1d package is
-installed (it ships no wheels), and every RMSNorm, gated RMSNorm and SwiGLU is 4 to 10 elementwise kernels. On the
-Qwen3.6-27B-shaped benchmark they took a fifth of the forward's time (README, performance). Each replacement computes
+installed (it ships no wheels), and every RMSNorm, gated RMSNorm and SwiGLU is 4 to 10 elementwise kernels. On a
+Qwen3.6-27B-shaped model they take a large share of the forward's time (docs/performance.md). Each replacement computes
 the same function in fp32 and rounds once, where the torch code also rounds to bf16 in between: measured against
 float32 the states come out closer than plain Transformers' (`benchmarks/extract.py` checks this on every run).
 """
@@ -69,8 +69,8 @@ def _replaceable(module: torch.nn.Module, hidden_size: int) -> bool:
     if name in SWIGLU_MLPS:
         return module.config.hidden_act in ("silu", "swish")
     # Only the norms over the hidden size. fla's norm autotunes per number of 2048-row blocks; the attention's per-head
-    # q/k norms have tokens x heads rows, so nearly every new batch size is a new key (measured on the 27B shape: 52
-    # autotunings of 7-9 s each inside a worker's first chunks). Left to Transformers they cost little.
+    # q/k norms have tokens x heads rows, so nearly every new batch size is a new key and autotunes again inside a
+    # worker's jobs (seconds each). Left to Transformers they cost little.
     return name in ZERO_CENTRED_NORMS and module.weight.numel() == hidden_size
 
 

@@ -16,9 +16,10 @@ from ops.redis_server import open_run
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False),
               help="Output JSONL, one regenerated conversation per input record; a rerun resumes it.")
 @click.option("--endpoint", metavar="URL", help="An OpenAI-compatible server (vLLM, SGLang) serving the target.")
-@click.option("--engine", "engine_name", type=click.Choice(["endpoint", "transformers"]),
-              help="Default: endpoint with --endpoint, else transformers (the target from model.path, here).")
-@click.option("--device", help="Transformers engine: cuda:N or cpu (default: cuda:0 when a GPU is visible).")
+@click.option("--engine", "engine_name", type=click.Choice(["endpoint", "transformers", "vllm"]),
+              help="Default: endpoint with --endpoint, else transformers (the target from model.path, here); vllm: "
+                   "the target in vLLM's offline engine here (the `vllm` extra, a CUDA GPU).")
+@click.option("--device", help="Transformers and vLLM engines: cuda:N or cpu (default: cuda:0 when a GPU is visible).")
 @click.option("--concurrency", type=click.IntRange(min=1), help="Endpoint: requests in flight (key regenerate.concurrency).")
 @click.option("--processes", type=click.IntRange(min=1),
               help="Transformers engine: processes sharing the device (key regenerate.processes).")
@@ -36,11 +37,19 @@ def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency
     if processes is not None:
         settings.set("regenerate.processes", processes)
     resolve_inputs(settings, inputs, out)  # a wrong path fails before torch is imported and a model loads
+    if engine_name == "vllm":
+        from dflashq.vllm_target import require_vllm
+
+        require_vllm()
     from producers.engine_processes import local_engine
     from producers.engines import EndpointEngine
 
     if endpoint:
         engine = EndpointEngine(endpoint, settings.regenerate)
+    elif engine_name == "vllm":
+        from producers.vllm_engine import VllmEngine
+
+        engine = VllmEngine(settings, device or "cuda:0")
     else:
         import torch
 

@@ -19,7 +19,7 @@ from ops.redis_server import open_run
 # --- status -------------------------------------------------------------------------------------------------
 @click.command()
 @run_options
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable interface, see README).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable interface, see docs/operations.md).")
 @click.option("--watch", is_flag=True, help="Refresh every 2 seconds until Ctrl-C.")
 def status(settings, as_json, watch):
     """Chunks admitted / queued / started / finished / failed, backlog, store bytes, workers, trainer, ETA."""

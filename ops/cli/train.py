@@ -92,11 +92,21 @@ def export(checkpoint, out):
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--check-lossless", "lossless_prompts", type=int, default=None,
               help="Compare only the first N prompts with plain greedy decoding (it costs a forward per token). [all]")
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers", show_default=True,
+              help="vllm: the drafter served by vLLM beside the target (the `vllm` extra, a CUDA GPU); tau, "
+                   "acceptance per position and tokens/s with and without it.")
+@click.option("--concurrency", type=click.IntRange(min=1), multiple=True,
+              help="vLLM: requests in flight to time besides 1 (repeatable); the largest decodes every prompt.")
+@click.option("--speed-prompts", type=click.IntRange(min=1), default=None,
+              help="vLLM: time the smaller concurrencies on the first N prompts only. [all]")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs, CI).")
 def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_anchors, device, lossless_prompts,
-             as_json, no_progress):
+             engine, concurrency, speed_prompts, as_json, no_progress):
     """Measure a drafter: real greedy speculative decoding on prompts (tau, lossless check), or EAL on blobs."""
+    if engine == "vllm":
+        return _evaluate_in_vllm(drafter_dir, target, prompts_file, max_new_tokens, device, concurrency,
+                                 speed_prompts, as_json, no_progress)
     from dflashq.blob import decode_blob
     from dflashq.exceptions import InputError
     from trainer.evaluate import evaluate_blobs, evaluate_prompts, read_prompts
@@ -133,6 +143,37 @@ def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_
     else:
         console.print(f"{report['samples']} samples: loss {report['loss']:.4f}, EAL {report['eal']:.3f}, "
                       f"acc per slot {[round(a, 3) for a in report['acc']]}")
+
+
+def _evaluate_in_vllm(drafter_dir, target, prompts_file, max_new_tokens, device, concurrency, speed_prompts, as_json,
+                      no_progress):
+    from dflashq.vllm_target import require_vllm
+    from trainer.evaluate import read_prompts
+
+    if not prompts_file:
+        raise click.UsageError("--engine vllm decodes prompts: give --data PROMPTS.jsonl.")
+    prompts = read_prompts(prompts_file)  # a wrong path fails before vLLM is asked for
+    require_vllm()
+    from trainer.vllm_eval import evaluate_in_vllm
+
+    report = evaluate_in_vllm(target, drafter_dir, prompts, max_new_tokens, [1, *concurrency], speed_prompts,
+                              "cuda:0" if device == "cpu" else device, progress=not no_progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    console.print(f"vLLM {report['vllm_version']} on {report['device']}, {report['prompts']} prompts, "
+                  f"{report['num_speculative_tokens']} draft tokens per pass")
+    console.print(f"mean tau {report['mean_tau']:.3f} (per prompt, as dflashq eval counts); vLLM's mean acceptance "
+                  f"length {report['vllm_mean_acceptance_length']}; identical text with and without the drafter: "
+                  f"{report['identical_text']} of {report['prompts']}")
+    console.print(f"acceptance per draft position: {report['per_position_acceptance']}")
+    table = Table(title="generated tokens/s")
+    for col in ("concurrency", "prompts", "target alone", "with drafter", "speedup"):
+        table.add_column(col)
+    for row in report["speed"]:
+        table.add_row(str(row["concurrency"]), str(row["prompts"]), f"{row['target_tokens_per_s']:,.0f}",
+                      f"{row['dflash_tokens_per_s']:,.0f}", f"{row['speedup']:.2f}x")
+    console.print(table)
 
 
 COMMANDS = [train, export, evaluate]
