@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflashq.exceptions import ConfigError
-from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.drafter import DFLASH2_FIELDS, DFlashDrafter, DrafterConfig
 
 KEEP = 2  # complete checkpoints kept on disk
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig) if f.default is not dataclasses.MISSING}
@@ -64,7 +64,8 @@ class Saved:
         """A restart must train the drafter the checkpoint holds; otherwise one sentence names the field."""
         current = dataclasses.asdict(config)
         saved = {**FIELD_DEFAULTS, **self.drafter_config}  # a field added since the checkpoint: its default then
-        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+        unused = DFLASH2_FIELDS if saved["architecture"] == current["architecture"] == "dflash" else ()
+        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k) and k not in unused)
         if changed:
             field = changed[0]
             raise ConfigError(

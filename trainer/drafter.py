@@ -32,6 +32,7 @@ from trainer.target_head import TargetHead
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ARCHITECTURES = ("dflash", "dflash2")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # unused by DFlash
 INITIALIZER_RANGE = 0.02  # Qwen3's init std for a drafter trained from scratch
 
 Attention = Literal["auto", "flex", "sdpa"]
@@ -148,9 +149,7 @@ class DrafterConfig:
 
 def drafter_architecture(train_settings) -> dict[str, Any]:
     """The DrafterConfig fields that [train] settings give for the architecture (DFlash2's sizes only for it)."""
-    if train_settings.architecture != "dflash2":
-        return {"architecture": train_settings.architecture}
-    fields = ("architecture", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    fields = ("architecture", *DFLASH2_FIELDS) if train_settings.architecture == "dflash2" else ("architecture",)
     return {name: getattr(train_settings, name) for name in fields}
 
 

@@ -19,7 +19,7 @@ from dflashq.exceptions import ConfigError, InputError
 from dflashq.layer_ids import CONVENTION
 from dflashq.store import new_folder
 from trainer.checkpoint import load_drafter
-from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.drafter import DFLASH2_FIELDS, DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -30,7 +30,6 @@ WEIGHTS_FILE = "model.safetensors"
 EXPORT_NAMES = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
                 for name in ("predecessor_codebook", "successor_codebook")}
 MODULE_NAMES = {exported: name for name, exported in EXPORT_NAMES.items()}
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def export_config(config: DrafterConfig) -> dict:
