@@ -55,16 +55,11 @@ def test_selector_loss_is_the_true_tokens_cross_entropy_after_the_true_predecess
 
 def test_dflash2_backbone_trains_on_dflashs_loss_alone_and_the_selector_on_its_own():
     drafter = make_drafter([FULL], "dflash2")
-    gen = torch.Generator().manual_seed(1)
-    head = TargetHead(torch.randn(97, 64, generator=gen), torch.randn(97, 64, generator=gen))
-    context, block_ids, anchors, valid = micro_batch((21, 14, 9), 2)
-    input_ids = torch.randint(0, 96, context.shape[:2], generator=gen)
-    loss_mask = torch.ones(context.shape[:2], dtype=torch.uint8)
-    blocks = Blocks(anchors, *gather_blocks(input_ids, loss_mask, anchors, valid, 4, 96))
-    out = backward(drafter, head, Batch(context, input_ids, loss_mask), blocks, loss_chunk_rows=16, attention="sdpa")
+    head, batch, blocks = _step_inputs()
+    out = backward(drafter, head, batch, blocks, loss_chunk_rows=16, attention="sdpa")
     both = {name: p.grad.clone() for name, p in drafter.named_parameters()}
     drafter.zero_grad()
-    hidden = drafter(context, blocks.block_ids, anchors, head, "sdpa")
+    hidden = drafter(batch.context, blocks.block_ids, blocks.anchors, head, "sdpa")
     dflash_loss(hidden, head.lm_head, blocks.targets, blocks.slot_valid, chunk_rows=16).loss.backward()
     for name, param in drafter.named_parameters():
         if name.startswith("candidate_selector."):
@@ -109,3 +104,60 @@ def test_a_restart_refuses_a_checkpoint_of_the_other_architecture_or_other_dflas
     with pytest.raises(ConfigError, match="selector_rank"):
         Saved("ckpt", dataclasses.asdict(dflash2), TrainState(), {}, {}, {}, {}).check_config(
             dataclasses.replace(dflash2, selector_rank=64))
+
+
+def _two_rank_gradients(rank: int, parallel_mode: str, port: int, out: str) -> None:
+    """One of two gloo ranks training the same micro-batch: the averaged gradient is one rank's, saved by rank 0."""
+    import os
+
+    import torch.distributed as dist
+
+    from trainer.parallel import full_state, wrap
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ranks = type("TwoRanks", (), {"distributed": True, "world_size": 2})()
+        model = wrap(make_drafter([FULL, FULL], "dflash2"), ranks, parallel_mode, torch.device("cpu"))
+        backward(model, *_step_inputs(), loss_chunk_rows=16, attention="sdpa")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = {name: t.clone() for name, t in full_state(model, optimizer)[0].items()}  # (DDP: the live tensors)
+        optimizer.step()  # weight - gradient: the full gradient, whatever the layout
+        after = full_state(model, optimizer)[0]
+        if rank == 0:
+            torch.save({name: before[name] - after[name] for name in after}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _step_inputs() -> tuple[TargetHead, Batch, Blocks]:
+    gen = torch.Generator().manual_seed(1)
+    head = TargetHead(torch.randn(97, 64, generator=gen), torch.randn(97, 64, generator=gen))
+    context, _, anchors, valid = micro_batch((21, 14, 9), 2)
+    input_ids = torch.randint(0, 96, context.shape[:2], generator=gen)
+    loss_mask = torch.ones(context.shape[:2], dtype=torch.uint8)
+    return head, Batch(context, input_ids, loss_mask), Blocks(anchors, *gather_blocks(input_ids, loss_mask, anchors,
+                                                                                        valid, 4, 96))
+
+
+@pytest.mark.parametrize("parallel_mode", ["ddp", "fsdp"])
+def test_ranks_train_the_selector_as_one_rank_does(parallel_mode, tmp_path):
+    """The selector's loss is computed after the forward (trainer.step): under DDP and FSDP (trainer.parallel registers
+    selector_loss as a forward method) two ranks still give every weight, the selector's included, one rank's
+    gradient."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    drafter = make_drafter([FULL, FULL], "dflash2")
+    backward(drafter, *_step_inputs(), loss_chunk_rows=16, attention="sdpa")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "gradients.pt")
+    mp.start_processes(_two_rank_gradients, args=(parallel_mode, port, out), nprocs=2, start_method="spawn")
+    gradients = torch.load(out)
+    assert set(gradients) == {name for name, _ in drafter.named_parameters()}
+    for name, param in drafter.named_parameters():
+        torch.testing.assert_close(gradients[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert gradients["candidate_selector.successor_codebook.weight"].abs().sum() > 0
