@@ -161,3 +161,38 @@ def test_ranks_train_the_selector_as_one_rank_does(parallel_mode, tmp_path):
     for name, param in drafter.named_parameters():
         torch.testing.assert_close(gradients[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert gradients["candidate_selector.successor_codebook.weight"].abs().sum() > 0
+
+
+def test_the_selectors_chain_is_accepted_at_least_as_much_as_independent_argmaxes(tmp_path):
+    """Point 2's measurement on a tiny learnable target (workers.tiny_model.make_learnable: after token x the Llama
+    target emits x again): a DFlash2 drafter trained briefly (its slots are not all right yet, so the chain has
+    something to fix or to spoil) drafts held-out prompts ending in tokens seen in training; its selector's chain
+    must be accepted at least as much as the same drafter's independent argmaxes, both lossless."""
+    from test_evaluate import make_drafter as drafter_for, overfit
+    from test_learning import prompts
+
+    from dflashq.target import load_target
+    from trainer.evaluate import greedy_generate, speculative_generate, target_head
+    from workers.tiny_model import make_learnable, write_tiny_model
+
+    model_dir = make_learnable(write_tiny_model(str(tmp_path / "target"), "llama"))
+    target = load_target(model_dir)
+    head = target_head(target)
+    train = prompts(16, seed=0)
+    drafter = overfit(drafter_for(model_dir, block_size=8, **{"architecture": "dflash2", "selector_rank": 16}), head,
+                      target, [(ids, greedy_generate(target, ids, 12, set())) for ids in train], steps=6)
+    held_out = [body + [train[i][-1]] for i, body in enumerate(prompts(8, seed=1))]
+    references = [greedy_generate(target, ids, 16, set()) for ids in held_out]
+
+    def taus() -> list[float]:
+        results = [speculative_generate(target, drafter, head, ids, 16, set()) for ids in held_out]
+        assert [r.tokens for r in results] == references  # lossless
+        return [r.tau for r in results]
+
+    chain = taus()
+    selector, drafter.candidate_selector = drafter.candidate_selector, None  # the same drafter, each slot's argmax
+    argmaxes = taus()
+    print(f"held-out tau: selector chain {chain} (mean {sum(chain) / len(chain):.2f}), "
+          f"independent argmaxes {argmaxes} (mean {sum(argmaxes) / len(argmaxes):.2f})")
+    assert selector is not None and sum(chain) / len(chain) > 1.5, chain  # it learned
+    assert sum(chain) >= sum(argmaxes), (chain, argmaxes)

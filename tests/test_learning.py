@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from dflashq import settings as S
@@ -41,20 +40,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(1000, 100000, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
 
 
-def held_out_taus(target, drafter, head, seen_last_tokens: list[int], eos: set[int]) -> list[float]:
-    taus = []
-    for i, body in enumerate(prompts(6, seed=1)):  # held out: new prompts ending in tokens seen in training
-        ids = body + [seen_last_tokens[7 * i]]
-        result = speculative_generate(target, drafter, head, ids, RESPONSE_TOKENS, eos)
-        assert result.tokens == greedy_generate(target, ids, RESPONSE_TOKENS, eos)  # lossless
-        taus.append(result.tau)
-    return taus
-
-
-@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
-def test_pipeline_learns_a_drafter_that_speeds_up_decoding(architecture, tmp_path, redis_url):
-    """DFlash2 (selector rank 32 here: two codebooks of the 151936-token vocabulary): its selector's chain must be
-    accepted at least as much as the same drafter's independent argmaxes on the held-out prompts."""
+def test_pipeline_learns_a_drafter_that_speeds_up_decoding(tmp_path, redis_url):
     model_dir = make_learnable(write_tiny_model(str(tmp_path / "target"), "qwen3_5"))
     target = load_target(model_dir)
     eos = {int(target.config.get_text_config().eos_token_id or 0)}
@@ -69,7 +55,7 @@ def test_pipeline_learns_a_drafter_that_speeds_up_decoding(architecture, tmp_pat
               "data.paths": str(data), "data.tokenize_processes": 1, "data.max_length": 64, "data.chunk_tokens": 256,
               "train.num_layers": 2, "train.block_size": 8, "train.num_anchors": 8, "train.micro_batch_tokens": 1024,
               "train.epochs": 4, "train.learning_rate": 3e-3, "train.warmup_ratio": 0.05, "store.retention": "keep",
-              "train.checkpoint_every_steps": 1000, "train.architecture": architecture, "train.selector_rank": 32}
+              "train.checkpoint_every_steps": 1000}
     settings = S.load(None, list(values.items()), environ={})
     run = Run.open(settings, data_fingerprint=data_fingerprint(settings.data.paths))
     produced = produce(run, epochs=1, progress=False)
@@ -87,15 +73,12 @@ def test_pipeline_learns_a_drafter_that_speeds_up_decoding(architecture, tmp_pat
     head = target_head(target)
 
     seen_last_tokens = [r["input_ids"][len(r["input_ids"]) - RESPONSE_TOKENS - 1] for r in records]
-    taus = held_out_taus(target, drafter, head, seen_last_tokens, eos)
+    taus = []
+    for i, body in enumerate(prompts(6, seed=1)):  # held out: new prompts ending in tokens seen in training
+        ids = body + [seen_last_tokens[7 * i]]
+        result = speculative_generate(target, drafter, head, ids, RESPONSE_TOKENS, eos)
+        assert result.tokens == greedy_generate(target, ids, RESPONSE_TOKENS, eos)  # lossless
+        taus.append(result.tau)
     mean_tau = sum(taus) / len(taus)
-    print(f"{architecture}: held-out tau per prompt {[round(t, 2) for t in taus]}, mean {mean_tau:.2f}, "
-          f"last train EAL {report.last_eal:.2f}")
+    print(f"held-out tau per prompt {[round(t, 2) for t in taus]}, mean {mean_tau:.2f}, last train EAL {report.last_eal:.2f}")
     assert mean_tau >= 3.0, taus
-    if architecture == "dflash2":
-        assert drafter.config.dflash2 and drafter.candidate_selector is not None
-        drafter.candidate_selector = None  # the same drafter drafting each slot's argmax
-        argmax_taus = held_out_taus(target, drafter, head, seen_last_tokens, eos)
-        print(f"dflash2 independent argmaxes: tau per prompt {[round(t, 2) for t in argmax_taus]}, "
-              f"mean {sum(argmax_taus) / len(argmax_taus):.2f}")
-        assert sum(taus) >= sum(argmax_taus), (taus, argmax_taus)
