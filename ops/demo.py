@@ -61,7 +61,7 @@ num_anchors = 16
 block_size = 8
 learning_rate = 3e-3
 checkpoint_every_steps = 50
-selector_rank = 32  # DFLASHQ_TRAIN_ARCHITECTURE=dflash2 only: two 151936-row codebooks of this rank train on the CPU
+selector_rank = 8  # DFLASHQ_TRAIN_ARCHITECTURE=dflash2 only: two 151936-row codebooks of this rank train on the CPU
 """
 
 
