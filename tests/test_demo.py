@@ -25,7 +25,7 @@ def test_demo_runs_the_pipeline_and_prints_tau(architecture, tmp_path):
     out = tmp_path / "demo"
     env = {**os.environ, "DFLASHQ_TRAIN_ARCHITECTURE": architecture}
     proc = subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=env)
+                          capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = " ".join(proc.stdout.split())  # rich wraps lines at the terminal width
     found = re.search(r"mean tau ([0-9.]+) \(lossless: True", text)
