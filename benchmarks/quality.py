@@ -151,6 +151,7 @@ learning_rate = {args.learning_rate}
 num_anchors = {args.anchors}
 micro_batch_tokens = {args.micro_batch_tokens}
 attention = "{args.attention}"
+architecture = "{args.architecture}"
 """)
     return config
 
@@ -542,6 +543,7 @@ def main() -> None:
     parser.add_argument("--code-repeats", type=int, default=1,
                         help="times each record holding code is trained per epoch (the copies are extracted too)")
     parser.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto", help="train.attention")
+    parser.add_argument("--architecture", choices=["dflash", "dflash2"], default="dflash", help="train.architecture")
     # fp8 against bf16 on the same data: a second --work folder holding a copy of the first one's regenerated.jsonl
     # and state.json up to `regenerate`
     parser.add_argument("--codec", choices=["bf16", "fp8"], default="bf16", help="store.codec of the blobs")

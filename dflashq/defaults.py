@@ -132,3 +132,10 @@ ATTENTION = "auto"
 OWN_ATTENTION_BELOW_HIDDEN = 1024
 ROPE_THETA = 10_000_000.0
 SEED = 0
+# "dflash" or "dflash2" (trainer/dflash2.py): DFlash2 adds grouped dynamic convolutions and a candidate selector; these
+# sizes are the published Qwen3.8-27B-DFlash2 drafter's
+ARCHITECTURE = "dflash"
+CONV_KERNEL_SIZE = 2
+CONV_GROUP_SIZE = 16
+SELECTOR_RANK = 256
+SELECTOR_TOP_K = 16

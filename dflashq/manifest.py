@@ -48,9 +48,10 @@ def expected(settings, layer_ids: list[int] | None = None, data_fingerprint: str
 
 
 # Fields a joining command must match; model_path may differ between hosts as long as the fingerprint agrees.
-# mask_token_id is added by the trainer (the drafter's MASK token, chosen once per run).
+# mask_token_id and architecture ("dflash" / "dflash2") are added by the trainer: the drafter's MASK token, chosen
+# once per run, and the drafter it trains (producers and workers serve either).
 CHECKED = ("model_fingerprint", "layer_ids", "max_length", "data_fingerprint", "codec", "blob_format_version",
-           "mask_token_id")
+           "mask_token_id", "architecture")
 # What a manifest written before a field existed meant by it: runs started before codecs stored bf16.
 LEGACY = {"codec": "bf16"}
 

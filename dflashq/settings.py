@@ -101,6 +101,11 @@ class TrainSettings:
     layer_types: list[str] = dataclasses.field(default_factory=lambda: list(defaults.LAYER_TYPES))
     attention: str = defaults.ATTENTION
     seed: int = defaults.SEED
+    architecture: str = defaults.ARCHITECTURE
+    conv_kernel_size: int = defaults.CONV_KERNEL_SIZE
+    conv_group_size: int = defaults.CONV_GROUP_SIZE
+    selector_rank: int = defaults.SELECTOR_RANK
+    selector_top_k: int = defaults.SELECTOR_TOP_K
 
 
 @dataclasses.dataclass
@@ -292,6 +297,10 @@ def _validate(settings: Settings) -> None:
         (not settings.train.layer_types or len(settings.train.layer_types) == settings.train.num_layers,
          f"train.layer_types lists {len(settings.train.layer_types)} layers but train.num_layers is {settings.train.num_layers}"),
         (settings.train.attention in ("auto", "flex", "sdpa"), "train.attention must be 'auto', 'flex' or 'sdpa'"),
+        (settings.train.architecture in ("dflash", "dflash2"), "train.architecture must be 'dflash' or 'dflash2'"),
+        (min(settings.train.conv_kernel_size, settings.train.conv_group_size, settings.train.selector_rank,
+             settings.train.selector_top_k) >= 1,
+         "train.conv_kernel_size, conv_group_size, selector_rank and selector_top_k must each be at least 1"),
         (settings.store.codec in ("bf16", "fp8"), "store.codec must be 'bf16' or 'fp8'"),
         (settings.regenerate.decoder in ("auto", "static", "generate"),
          "regenerate.decoder must be 'auto', 'static' or 'generate'"),

@@ -4,6 +4,8 @@ responses) -> `up` (producer, CPU workers, trainer) -> export -> speculative dec
 The target is a tiny Qwen3.5-style hybrid made learnable (workers.tiny_model.make_learnable with its CHAIN_WORDS):
 whatever it is asked, it answers " apple river stone cloud ...", text a drafter can learn and that survives
 regenerate's decoding and produce's re-tokenizing; an untrained drafter gets tau about 1 on it.
+The drafter is DFlash's unless the environment asks for DFlash2 (DFLASHQ_TRAIN_ARCHITECTURE=dflash2, read with the
+run's config like every DFLASHQ_* setting, and inherited by `up`'s children).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ num_anchors = 16
 block_size = 8
 learning_rate = 3e-3
 checkpoint_every_steps = 50
+selector_rank = 8  # DFLASHQ_TRAIN_ARCHITECTURE=dflash2 only: two 151936-row codebooks of this rank train on the CPU
 """
 
 
@@ -95,8 +98,8 @@ def _run(settings, root: Path, workers: int) -> dict:
     regenerated = regenerate(settings, [str(root / "prompts.jsonl")], settings.data.paths[0],
                              TransformersEngine(settings, "cpu"), progress=True)
     console.print(f"    {regenerated.regenerated} conversations regenerated, {regenerated.already_done} already done")
-    console.print(f"2/4 up: producer, {workers} CPU workers and the trainer ({settings.train.epochs} epochs), "
-                  f"Redis at {settings.redis.url}")
+    console.print(f"2/4 up: producer, {workers} CPU workers and the trainer ({settings.train.architecture}, "
+                  f"{settings.train.epochs} epochs), Redis at {settings.redis.url}")
     run = redis_server.open_run(settings)
     supervisor = Supervisor(run, [("cpu", i) for i in range(workers)], ["--device", "cpu"], Path(run.store.path("logs")), console)
     if not supervisor.run_until_done():

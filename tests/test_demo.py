@@ -4,6 +4,7 @@ well above 1 on its learnable tiny target."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,17 +19,23 @@ from workers.recovery import pid_running
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_demo_runs_the_pipeline_and_prints_tau(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_demo_runs_the_pipeline_and_prints_tau(architecture, tmp_path):
     out = tmp_path / "demo"
+    env = {**os.environ, "DFLASHQ_TRAIN_ARCHITECTURE": architecture}
     proc = subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = " ".join(proc.stdout.split())  # rich wraps lines at the terminal width
     found = re.search(r"mean tau ([0-9.]+) \(lossless: True", text)
     assert found and float(found.group(1)) > 2.0, text[-1500:]  # it learned: an untrained drafter gets about 1
     assert "conversations regenerated" in text  # the target's own replies, through `regenerate`
+    assert f"the trainer ({architecture}," in text
     exported = list((out / "runs" / "demo").glob("drafter-step-*"))
     assert len(exported) == 1 and (exported[0] / "model.safetensors").exists()
+    written = json.loads((exported[0] / "config.json").read_text())
+    assert written["architectures"] == [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[architecture]]
     # the demo's embedded Redis is stopped at the end; a later command of the run starts it again from its AOF
     server = EmbeddedRedis(str(out / "runs" / "demo"))
     assert server.pid() is None or not pid_running(server.pid())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -25,12 +26,12 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-def make_drafter(layer_types: list[str]) -> DFlashDrafter:
+def make_drafter(layer_types: list[str], architecture: str = "dflash") -> DFlashDrafter:
     target = {"hidden_size": HIDDEN, "num_hidden_layers": 8, "vocab_size": VOCAB, "intermediate_size": 96,
               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}
     config = DrafterConfig.default_for_target(
         target, num_layers=len(layer_types), layer_ids=[1, 5], mask_token_id=MASK, block_size=BLOCK,
-        sliding_window=WINDOW, layer_types=layer_types,
+        sliding_window=WINDOW, layer_types=layer_types, architecture=architecture, selector_rank=8, selector_top_k=5,
     )
     torch.manual_seed(0)
     drafter = DFlashDrafter(config)
@@ -38,6 +39,8 @@ def make_drafter(layer_types: list[str]) -> DFlashDrafter:
         for name, param in drafter.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif "_conv." in name or "codebook" in name:  # DFlash2's parts away from their identity init
+                param.normal_(0.0, 0.3)
     return drafter
 
 
@@ -173,8 +176,9 @@ def test_context_is_seen_strictly_before_the_anchor(layer_types, head, batch):
             assert (not torch.allclose(out, base, atol=1e-6)) == changes, f"context at {position}, anchor {anchor}"
 
 
-def test_blocks_are_blind_to_each_other(head, batch):
-    drafter = make_drafter([SLIDING, FULL])
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])  # DFlash2's convolutions stay inside each block
+def test_blocks_are_blind_to_each_other(architecture, head, batch):
+    drafter = make_drafter([SLIDING, FULL], architecture)
     context, block_ids, anchors, _ = batch
     edited_ids, edited_anchors = block_ids.clone(), anchors.clone()
     edited_ids[0, 1, 0] = (edited_ids[0, 1, 0] + 1) % MASK
@@ -186,8 +190,9 @@ def test_blocks_are_blind_to_each_other(head, batch):
     assert changed[0, 1] and changed.sum() == 1
 
 
-def test_draft_equals_training_forward_of_one_block(head, batch):
-    drafter = make_drafter([SLIDING, FULL])
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_draft_equals_training_forward_of_one_block(architecture, head, batch):
+    drafter = make_drafter([SLIDING, FULL], architecture)
     context, _, _, _ = batch
     anchor, token = 11, 5
     block_ids = torch.tensor([[[token] + [MASK] * (BLOCK - 1)]])
@@ -209,6 +214,44 @@ def test_module_names_are_the_export_tensor_names():
     expected |= {f"layers.{i}.{name}.weight" for i in range(2) for name in per_layer}
     assert set(drafter.state_dict()) == expected
     assert drafter.fc.weight.shape == (HIDDEN, 2 * HIDDEN)
+    # DFlash2: the reference's names and shapes (groups of 16 channels, 2 taps, selector rank 8)
+    dflash2 = make_drafter([SLIDING, FULL], "dflash2").state_dict()
+    added = {f"layers.{i}.{conv}.{name}": shape for i in range(2) for conv in ("attention_conv", "mlp_conv")
+             for name, shape in (("base_kernel", (2, 2, HIDDEN)), ("kernel_projection.weight", (2 * 2 * 4, HIDDEN)))}
+    added |= {"candidate_selector.predecessor_codebook.weight": (VOCAB, 8),
+              "candidate_selector.successor_codebook.weight": (VOCAB, 8),
+              "candidate_selector.hidden_projection.weight": (8, HIDDEN)}
+    assert {name: tuple(t.shape) for name, t in dflash2.items() if name not in expected} == added
+    assert expected <= set(dflash2)
+
+
+def test_a_fresh_dflash2_drafter_drafts_what_dflash_does(head, batch):
+    """DFlash2's parts start as the identity (convolutions) and as each slot's argmax (selector): training starts
+    from the DFlash drafter of the same other weights, and its additions learn only what helps."""
+    dflash = make_drafter([SLIDING, FULL])
+    torch.manual_seed(5)
+    fresh = DFlashDrafter(dataclasses.replace(dflash.config, architecture="dflash2", selector_top_k=VOCAB))
+    assert fresh.load_state_dict(dflash.state_dict(), strict=False).unexpected_keys == []
+    context, block_ids, anchors, _ = batch
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(context, block_ids, anchors, head), dflash(context, block_ids, anchors, head),
+                                   rtol=0, atol=0)
+    last = torch.tensor([3, 50])
+    drafts = fresh.propose(context[:2], last, torch.tensor([9, 12]), head)
+    assert torch.equal(drafts, dflash.draft(context[:2], last, torch.tensor([9, 12]), head).argmax(-1))
+    with torch.no_grad():  # and the selector is no argmax once its pair terms are not zero
+        fresh.candidate_selector.successor_codebook.weight.normal_(0.0, 3.0)
+    assert not torch.equal(fresh.propose(context[:2], last, torch.tensor([9, 12]), head), drafts)
+
+
+def test_dflash2_sizes_are_checked():
+    drafter = make_drafter([FULL])
+    with pytest.raises(ConfigError, match="train.conv_group_size"):
+        dataclasses.replace(drafter.config, architecture="dflash2", conv_group_size=24)
+    with pytest.raises(ConfigError, match="train.selector_top_k"):
+        dataclasses.replace(drafter.config, architecture="dflash2", selector_top_k=VOCAB + 1)
+    with pytest.raises(ConfigError, match="train.architecture"):
+        dataclasses.replace(drafter.config, architecture="dflash3")
 
 
 # config.json fields of real targets (their published configs; only what the drafter defaults read)
@@ -349,9 +392,9 @@ def test_compiled_elementwise_regions_compute_what_the_eager_code_does():
                 torch.testing.assert_close(c.grad, e.grad)
     logits = torch.randn(6, 50, generator=gen).to(torch.bfloat16)  # [r, V] in the head's dtype
     targets, scale = torch.randint(0, 50, (6,), generator=gen), torch.rand(6, generator=gen)  # [r] x2
-    for need_grad in (True, False):
-        for e, c in zip(_chunk_terms(logits, targets, scale, need_grad),
-                        compiled(_chunk_terms)(logits, targets, scale, need_grad)):
+    for need_grad, top_k in ((True, 5), (False, 0)):  # top_k: DFlash2's candidates
+        for e, c in zip(_chunk_terms(logits, targets, scale, need_grad, top_k),
+                        compiled(_chunk_terms)(logits, targets, scale, need_grad, top_k)):
             torch.testing.assert_close(c, e)
 
 
@@ -382,17 +425,18 @@ def layer_args(drafter, head, context, block_ids, anchors) -> tuple:
     rope_context = rope_cos_sin(torch.arange(context.shape[1]), cfg.head_dim, cfg.rope_theta)  # [T, D] x2
     mask = flex_block_mask(dflash_mask_mod(anchors, BLOCK, context.shape[1], None), anchors, BLOCK,
                            context.shape[1], None)
-    return drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask, anchors
+    return drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask, anchors, BLOCK
 
 
-def test_compiled_layer_computes_what_the_eager_layer_does(head, batch):
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_compiled_layer_computes_what_the_eager_layer_does(architecture, head, batch):
     """Flex training on the GPU runs each decoder layer as one compiled region (trainer.drafter.run_layer). CI has no
     GPU; the same compiled region runs here on the CPU, forward only (CPU flex_attention has no backward)."""
     from trainer.drafter import run_layer
     from trainer.fused import compiled
 
     context, block_ids, anchors, _ = batch
-    args = layer_args(make_drafter([FULL]), head, context, block_ids, anchors)
+    args = layer_args(make_drafter([FULL], architecture), head, context, block_ids, anchors)
     with torch.no_grad():
         torch.testing.assert_close(compiled(run_layer)(*args), run_layer(*args), rtol=1e-4, atol=1e-4)
 

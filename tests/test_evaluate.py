@@ -17,6 +17,7 @@ from trainer.evaluate import (accept_length, evaluate_blobs, evaluate_prompts, g
                               read_prompts, speculative_generate, target_head)
 from trainer.export import export_drafter
 from trainer.loss import dflash_loss
+from trainer.step import Batch, Blocks, backward
 from dflashq.target import load_target
 from workers.tiny_model import EOS_ID, write_tiny_model
 
@@ -24,11 +25,11 @@ MASK_ID = 151669
 PROMPTS = ([1, 2, 3, 4, 5], [9000, 9001, 9002])
 
 
-def make_drafter(model_dir: str, block_size: int, num_layers: int = 1) -> DFlashDrafter:
+def make_drafter(model_dir: str, block_size: int, num_layers: int = 1, **overrides) -> DFlashDrafter:
     with open(f"{model_dir}/config.json") as f:
         target = json.load(f)
     config = DrafterConfig.default_for_target(target, num_layers=num_layers, mask_token_id=MASK_ID,
-                                              block_size=block_size)
+                                              block_size=block_size, **overrides)
     torch.manual_seed(0)
     return DFlashDrafter(config)
 
@@ -76,9 +77,9 @@ def overfit(drafter: DFlashDrafter, head, target, examples: list[tuple[list[int]
     for _ in range(steps):
         for sequence, context, loss_mask in batches:
             anchors, valid = sample_anchors(loss_mask, 64)
-            blocks, targets, slot_valid = gather_blocks(sequence, loss_mask, anchors, valid, drafter.config.block_size,
-                                                        drafter.config.mask_token_id)
-            dflash_loss(drafter(context, blocks, anchors, head), head.lm_head, targets, slot_valid).loss.backward()
+            blocks = Blocks(anchors, *gather_blocks(sequence, loss_mask, anchors, valid, drafter.config.block_size,
+                                                    drafter.config.mask_token_id))
+            backward(drafter, head, Batch(context, sequence, loss_mask), blocks, loss_chunk_rows=2048)  # DFlash2: + selector
             optimizer.step()
             optimizer.zero_grad()
     return drafter.eval()

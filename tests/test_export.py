@@ -143,3 +143,32 @@ def test_bad_paths_raise_input_errors(drafter, tmp_path):
     (out / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with pytest.raises(InputError, match="not a valid DFlash drafter config"):
         load_exported(out)
+
+
+def test_dflash2_export_names_its_architecture_and_reads_back(drafter, tmp_path):
+    config = dataclasses.replace(drafter.config, architecture="dflash2", selector_rank=8, selector_top_k=4)
+    torch.manual_seed(1)
+    dflash2 = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, param in dflash2.named_parameters():
+            if "_conv." in name or "codebook" in name:
+                param.normal_()
+    out = export_drafter(dflash2, tmp_path / "export")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == ["DFlash2DraftModel"]
+    assert written["dflash_config"] == {"target_layer_ids": [1, 5], "mask_token_id": MASK_ID, "block_size": 8,
+                                        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+                                        "selector_top_k": 4}
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    added = {name: shape for name, shape in shapes.items() if name not in expected_shapes(64, 2, 4, 2, 16, 128)}
+    assert added == {**{f"layers.{i}.{conv}.{name}": shape for i in range(NUM_LAYERS)
+                        for conv in ("attention_conv", "mlp_conv")
+                        for name, shape in (("base_kernel", (2, 2, 64)), ("kernel_projection.weight", (16, 64)))},
+                     # bare codebook tensors: the reference's from_pretrained adds `.weight` to these two names
+                     "candidate_selector.predecessor_codebook": (151936, 8),
+                     "candidate_selector.successor_codebook": (151936, 8),
+                     "candidate_selector.hidden_projection.weight": (8, 64)}
+    loaded = load_exported(out)
+    assert loaded.config == config
+    assert all(torch.equal(p, dflash2.state_dict()[n].to(torch.bfloat16)) for n, p in loaded.state_dict().items())

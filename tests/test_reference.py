@@ -41,7 +41,13 @@ def test_default_layer_ids_equal_the_reference_rule():
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33] and default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
 
-def test_eval_tau_and_text_equal_the_reference_generate_loop(tmp_path, monkeypatch):
+DFLASH2 = {"architecture": "dflash2", "selector_rank": 16, "selector_top_k": 16}  # rank 256 is 2 x 39M rows here
+REFERENCE_MODEL = {"dflash": reference.DFlashDraftModel, "dflash2": reference.DFlash2DraftModel}
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_eval_tau_and_text_equal_the_reference_generate_loop(architecture, tmp_path, monkeypatch):
+    """DFlash2: both loops draft with the candidate selector's chain (greedy)."""
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # it times with CUDA events
     model_dir = write_tiny_model(str(tmp_path / "target"), "llama")
     target = load_target(model_dir)
@@ -59,13 +65,14 @@ def test_eval_tau_and_text_equal_the_reference_generate_loop(tmp_path, monkeypat
     (tmp_path / "target" / "generation_config.json").write_text(json.dumps(generation_config))
 
     head = target_head(target)
-    drafter = overfit(make_drafter(model_dir, block_size=BLOCK, num_layers=2), head, target,
+    overrides = DFLASH2 if architecture == "dflash2" else {}
+    drafter = overfit(make_drafter(model_dir, block_size=BLOCK, num_layers=2, **overrides), head, target,
                       list(zip(prompt_ids, continuations)), steps=120)
     exported = export_drafter(drafter, tmp_path / "drafter")
     report = evaluate_prompts(model_dir, exported, PROMPTS, MAX_NEW_TOKENS, device="cpu")
 
     target = load_target(model_dir)
-    ref_drafter = reference.DFlashDraftModel.from_pretrained(str(exported), dtype=torch.float32).eval()
+    ref_drafter = REFERENCE_MODEL[architecture].from_pretrained(str(exported), dtype=torch.float32).eval()
     stop_ids = sorted({EOS_ID, stop, tokenizer.eos_token_id})
     ended_inside_a_block = []
     for ids, ours in zip(prompt_ids, report["prompts"]):
@@ -107,3 +114,49 @@ def test_reference_model_loads_our_export_and_drafts_the_same_logits(layer_types
                         target_hidden=context)  # [1, B, H]
         logits = theirs.compute_logits(hidden[:, 1:], head.logits)  # [1, B-1, V]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_reference_dflash2_loads_our_export_and_gives_our_logits_and_chosen_path_in_float64(layer_types, tiny_qwen35,
+                                                                                           tmp_path):
+    """The reference DFlash2DraftModel loads our export with no missing, unexpected or mismatched tensor; in float64 its
+    forward gives our logits and its propose() our greedy chain, for drafters whose convolutions and selector are far
+    from their initial identity and argmax (so a swapped tap, group or codebook shows)."""
+    target = json.loads((Path(tiny_qwen35) / "config.json").read_text())
+    config = DrafterConfig.default_for_target(target, num_layers=2, mask_token_id=151669, block_size=BLOCK,
+                                              sliding_window=8, layer_types=layer_types, **DFLASH2)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "_conv." in name or "codebook" in name:
+                param.normal_(0.0, 0.5)
+    exported = export_drafter(drafter, tmp_path / "drafter")
+    written = json.loads((exported / "config.json").read_text())
+    assert written["architectures"] == ["DFlash2DraftModel"]
+    assert {k: written["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                     "selector_top_k")} == {"conv_kernel_size": 2, "conv_group_size": 16,
+                                                                            "selector_rank": 16, "selector_top_k": 16}
+    ours = load_exported(exported).double()
+    theirs, loading = reference.DFlash2DraftModel.from_pretrained(str(exported), dtype=torch.float64,
+                                                                 output_loading_info=True)
+    assert {k: loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")} == \
+        {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set()}
+    theirs.eval()
+    assert torch.equal(theirs.candidate_selector.successor_codebook.weight, ours.candidate_selector.successor_codebook.weight)
+    head = TargetHead.from_pretrained(tiny_qwen35, dtype=torch.float64)
+    context = torch.randn(3, 20, config.num_tapped * config.hidden_size, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    last = torch.tensor([4242, 17, 90000])
+    expected = ours.draft(context, last, 20, head, attention="sdpa")  # [3, B-1, V]
+    block = torch.full((3, BLOCK), config.mask_token_id)
+    block[:, 0] = last
+    with torch.no_grad():
+        hidden = theirs(position_ids=torch.arange(20 + BLOCK)[None], noise_embedding=head.embed(block),
+                        target_hidden=context)[:, 1:]  # [3, B-1, H]
+        logits = theirs.compute_logits(hidden, head.logits)  # [3, B-1, V]
+        path, _, _ = theirs.propose(hidden, last, head.logits, 0.0)  # [3, B-1]
+    torch.testing.assert_close(logits, expected.double(), rtol=1e-5, atol=1e-5)  # draft() returns fp32
+    chain = ours.propose(context, last, 20, head, attention="sdpa")  # [3, B-1]
+    assert torch.equal(chain, path)
+    assert not torch.equal(chain, expected.argmax(-1))  # the selector chose: not the independent argmaxes

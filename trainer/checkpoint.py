@@ -23,9 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflashq.exceptions import ConfigError
-from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.drafter import DFLASH2_FIELDS, DFlashDrafter, DrafterConfig
 
 KEEP = 2  # complete checkpoints kept on disk
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig) if f.default is not dataclasses.MISSING}
 
 
 @dataclasses.dataclass
@@ -62,11 +63,13 @@ class Saved:
     def check_config(self, config: DrafterConfig) -> None:
         """A restart must train the drafter the checkpoint holds; otherwise one sentence names the field."""
         current = dataclasses.asdict(config)
-        changed = sorted(k for k in self.drafter_config.keys() | current.keys() if self.drafter_config.get(k) != current.get(k))
+        saved = {**FIELD_DEFAULTS, **self.drafter_config}  # a field added since the checkpoint: its default then
+        unused = DFLASH2_FIELDS if saved["architecture"] == current["architecture"] == "dflash" else ()
+        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k) and k not in unused)
         if changed:
             field = changed[0]
             raise ConfigError(
-                f"The run's checkpoint {self.path} holds a drafter with {field} = {self.drafter_config.get(field)!r} "
+                f"The run's checkpoint {self.path} holds a drafter with {field} = {saved.get(field)!r} "
                 f"but the config now gives {current.get(field)!r}: configure the run as it was started, or choose "
                 "another run name."
             )

@@ -40,7 +40,7 @@ from trainer.anchors import chunk_generator
 from trainer.checkpoint_policy import CheckpointPolicy
 from trainer.chunk_source import ChunkSource
 from trainer.consumer import Entry
-from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.drafter import DFlashDrafter, DrafterConfig, drafter_architecture
 from trainer.loss import expected_acceptance_length
 from trainer.mask_token import resolve_mask_token
 from trainer.prefetch import Prefetcher
@@ -96,9 +96,10 @@ def drafter_config(run: Run, leader: bool) -> DrafterConfig:
                                                  "intermediate_size", "layer_types") if getattr(s, name)}
     config = DrafterConfig.default_for_target(target_config, s.num_layers, run.layer_ids, mask_token_id=mask.id,
                                               block_size=s.block_size, sliding_window=s.sliding_window,
-                                              rope_theta=s.rope_theta, **shape)
+                                              rope_theta=s.rope_theta, **shape, **drafter_architecture(s))
     first_choice = run.manifest.get("mask_token_id") is None  # recorded only once the config is known valid
-    run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id})
+    run.manifest = manifest.join(run.conn, run.store, {"run": run.settings.run, "mask_token_id": mask.id,
+                                                       "architecture": s.architecture})
     if first_choice and leader:  # said once per run; the manifest and the export keep it
         print(f"MASK token id {mask.id}: {mask.reason} (recorded in the run manifest).", flush=True)
     return config

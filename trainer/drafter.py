@@ -25,10 +25,13 @@ from dflashq import defaults
 from dflashq.exceptions import ConfigError
 from dflashq.layer_ids import default_layer_ids
 from trainer.attention_mask import DenseGroup, dense_groups, dflash_mask_mod, flex_block_mask, with_lengths
+from trainer.dflash2 import CandidateSelector, GroupedDynamicCausalConv, SelectorLoss, selector_loss
 from trainer.fused import compiled, fused
 from trainer.target_head import TargetHead
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+ARCHITECTURES = ("dflash", "dflash2")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # unused by DFlash
 INITIALIZER_RANGE = 0.02  # Qwen3's init std for a drafter trained from scratch
 
 Attention = Literal["auto", "flex", "sdpa"]
@@ -52,6 +55,11 @@ class DrafterConfig:
     layer_types: list[str]
     sliding_window: int
     num_target_layers: int
+    architecture: str = defaults.ARCHITECTURE  # "dflash2" adds trainer.dflash2's convolutions and selector
+    conv_kernel_size: int = defaults.CONV_KERNEL_SIZE
+    conv_group_size: int = defaults.CONV_GROUP_SIZE
+    selector_rank: int = defaults.SELECTOR_RANK
+    selector_top_k: int = defaults.SELECTOR_TOP_K
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
@@ -70,6 +78,18 @@ class DrafterConfig:
             )
         if self.block_size < 2:
             raise ConfigError(f"block_size {self.block_size} must be at least 2 (one anchor plus one draft slot).")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r} must be one of {ARCHITECTURES}; set train.architecture.")
+        if self.dflash2 and (self.conv_group_size < 1 or self.hidden_size % self.conv_group_size):
+            raise ConfigError(f"conv_group_size {self.conv_group_size} must divide the hidden size {self.hidden_size}; "
+                              "set train.conv_group_size.")
+        if self.dflash2 and not 1 <= self.selector_top_k <= self.vocab_size:
+            raise ConfigError(f"selector_top_k {self.selector_top_k} must be between 1 and the vocabulary size "
+                              f"{self.vocab_size}; set train.selector_top_k.")
+
+    @property
+    def dflash2(self) -> bool:
+        return self.architecture == "dflash2"
 
     @property
     def num_tapped(self) -> int:
@@ -124,6 +144,12 @@ class DrafterConfig:
         )
         fields.update(overrides)
         return cls(**fields)
+
+
+def drafter_architecture(train_settings) -> dict[str, Any]:
+    """The DrafterConfig fields that [train] settings give for the architecture (DFlash2's sizes only for it)."""
+    fields = ("architecture", *DFLASH2_FIELDS) if train_settings.architecture == "dflash2" else ("architecture",)
+    return {name: getattr(train_settings, name) for name in fields}
 
 
 class RMSNorm(nn.Module):
@@ -260,13 +286,22 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DrafterMLP(config)
+        convs = [GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+                 for _ in range(2)] if config.dflash2 else [None, None]
+        self.attention_conv, self.mlp_conv = convs  # DFlash2: around each sublayer
 
-    def forward(self, x: Tensor, context: Tensor, rope_block, rope_context, mask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, mask)  # [b, Q, H]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [b, Q, H]
+    def forward(self, x: Tensor, context: Tensor, rope_block, rope_context, mask, block_size: int) -> Tensor:
+        """block_size: B of the Q = N*B slots of x (DFlash2's convolutions stay inside each block)."""
+        def attend(h: Tensor) -> Tensor:
+            return self.self_attn(h, context, rope_block, rope_context, mask)  # [b, Q, H]
+
+        h = self.input_layernorm(x)  # [b, Q, H]
+        x = x + (attend(h) if self.attention_conv is None else self.attention_conv(h, attend, block_size))  # [b, Q, H]
+        h = self.post_attention_layernorm(x)  # [b, Q, H]
+        return x + (self.mlp(h) if self.mlp_conv is None else self.mlp_conv(h, self.mlp, block_size))  # [b, Q, H]
 
 
-def _layer_sizes(layer, x, context, rope_block, rope_context, mask: BlockMask, anchors: Tensor):
+def _layer_sizes(layer, x, context, rope_block, rope_context, mask: BlockMask, anchors: Tensor, block_size: int):
     # rows and the context length T, and with T the key tiles, change from one micro-batch to the next; the query
     # length N*B (and its tiles) stays a constant of flex's kernel: symbolic, it halved the kernel's speed (_flex).
     # The key length T + N*B is computed from these inside the region (run_layer), so no int needs marking.
@@ -282,14 +317,15 @@ def uses_flex(attention: Attention, x: Tensor) -> bool:
     return attention == "flex" or (attention == "auto" and x.is_cuda)
 
 
-def run_layer(layer: DrafterLayer, x: Tensor, context: Tensor, rope_block, rope_context, mask, anchors: Tensor) -> Tensor:
+def run_layer(layer: DrafterLayer, x: Tensor, context: Tensor, rope_block, rope_context, mask, anchors: Tensor,
+              block_size: int) -> Tensor:
     # A whole layer as one compiled region in flex training: small drafters' steps waited on the CPU launching
     # hundreds of kernels (docs/performance.md). One function for every layer: Dynamo takes the parameters as
     # inputs, so the layers share one compilation. `anchors` [b, N]: what the mask rule reads, passed so that its
     # rows are marked with the others (_layer_sizes).
     if isinstance(mask, BlockMask):
         mask = with_lengths(mask, x.shape[1], context.shape[1] + x.shape[1])
-    return layer(x, context, rope_block, rope_context, mask)  # [b, Q, H]
+    return layer(x, context, rope_block, rope_context, mask, block_size)  # [b, Q, H]
 
 
 class DFlashDrafter(nn.Module):
@@ -300,9 +336,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.selector_rank,
+                                                    config.selector_top_k) if config.dflash2 else None
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=INITIALIZER_RANGE)
+        for module in self.modules():
+            if isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
+                module.init_weights()
 
     def forward(self, context_states: Tensor, block_ids: Tensor, anchors: Tensor, head: TargetHead,
                 attention: Attention = "auto") -> Tensor:
@@ -344,7 +385,7 @@ class DFlashDrafter(nn.Module):
             # not been run on a GPU
             run = fused(run_layer, x, torch.is_grad_enabled() and use_flex and not isinstance(layer, FSDPModule),
                         _layer_sizes)
-            x = run(layer, x, context, rope_block, rope_context, masks[layer_type], anchors)  # [b, Q, H]
+            x = run(layer, x, context, rope_block, rope_context, masks[layer_type], anchors, block_size)  # [b, Q, H]
         return self.norm(x).view(b, num_blocks, block_size, -1)  # [b, N, B, H]
 
     @torch.no_grad()
@@ -356,12 +397,32 @@ class DFlashDrafter(nn.Module):
         context_states [b, C, K*H] tapped states of committed positions (C >= start_pos; later ones are unseen);
         last_token [b] the newest token, whose target states are not computed yet; start_pos an int or [b] long
         (per-row positions of last_token); block_size B (default the config's) shorter for the last block of a
-        generation, as the reference drafts it. Returns logits [b, B-1, V] of slots 1..B-1 (argmax = greedy drafts).
+        generation, as the reference drafts it. Returns logits [b, B-1, V] of slots 1..B-1 (argmax = DFlash's
+        greedy drafts; `propose` gives DFlash2's).
         """
+        hidden = self._draft_states(context_states, last_token, start_pos, head, attention, block_size)  # [b, B-1, H]
+        return head.logits(hidden.to(head.lm_head.dtype)).float()  # [b, B-1, V]
+
+    @torch.no_grad()
+    def propose(self, context_states: Tensor, last_token: Tensor, start_pos: int | Tensor, head: TargetHead,
+                attention: Attention = "auto", block_size: int | None = None) -> Tensor:
+        """The greedy drafts [b, B-1] of `draft`'s block: each slot's argmax (DFlash), or the candidate selector's
+        chain from last_token over the logits in the head's dtype, as the reference's propose() (DFlash2)."""
+        hidden = self._draft_states(context_states, last_token, start_pos, head, attention, block_size)  # [b, B-1, H]
+        logits = head.logits(hidden.to(head.lm_head.dtype))  # [b, B-1, V]
+        if self.candidate_selector is None:
+            return logits.argmax(-1)  # [b, B-1]
+        return self.candidate_selector.chain(hidden, logits, last_token)  # [b, B-1]
+
+    def _draft_states(self, context_states: Tensor, last_token: Tensor, start_pos: int | Tensor, head: TargetHead,
+                      attention: Attention, block_size: int | None) -> Tensor:
         b = last_token.shape[0]
         anchors = torch.as_tensor(start_pos, device=last_token.device).expand(b).reshape(b, 1)  # [b, 1]
         block_ids = torch.full((b, 1, block_size or self.config.block_size), self.config.mask_token_id,
                                dtype=torch.long, device=last_token.device)  # [b, 1, B]
         block_ids[:, 0, 0] = last_token
-        hidden = self(context_states, block_ids, anchors, head, attention)  # [b, 1, B, H]
-        return head.logits(hidden[:, 0, 1:].to(head.lm_head.dtype)).float()  # [b, B-1, V]
+        return self(context_states, block_ids, anchors, head, attention)[:, 0, 1:]  # [b, B-1, H]
+
+    def selector_loss(self, *args, **kwargs) -> SelectorLoss:
+        """trainer.dflash2.selector_loss of this drafter's selector (a method, so that FSDP gathers its weights)."""
+        return selector_loss(self.candidate_selector, *args, **kwargs)

@@ -93,8 +93,9 @@ def speculative_generate(target_model: torch.nn.Module, drafter: DFlashDrafter, 
             left = max_new_tokens - len(tokens)
             block_size = min(drafter.config.block_size, left + 1)
             last = torch.tensor([tokens[-1]], device=device)  # [1]
-            drafts = drafter.draft(context, last, context.shape[1], head, attention="sdpa",
-                                   block_size=block_size)[0].argmax(-1)  # [block_size - 1]
+            # DFlash: each slot's argmax; DFlash2: its candidate selector's chain, as the reference's propose()
+            drafts = drafter.propose(context, last, context.shape[1], head, attention="sdpa",
+                                     block_size=block_size)[0]  # [block_size - 1]
             block = torch.cat([last, drafts])[None]  # [1, block_size]
             snapshot = None if compat.cache_croppable(cache) else copy.deepcopy(cache)
             out, cache = _forward(target_model, block, cache)

@@ -19,17 +19,25 @@ from dflashq.exceptions import ConfigError, InputError
 from dflashq.layer_ids import CONVENTION
 from dflashq.store import new_folder
 from trainer.checkpoint import load_drafter
-from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.drafter import DFLASH2_FIELDS, DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
+# DFlash2's codebooks are stored as bare tensors: the reference's from_pretrained maps these names onto its
+# nn.Embedding weights (and would map a `.weight` name to `.weight.weight`)
+EXPORT_NAMES = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
+                for name in ("predecessor_codebook", "successor_codebook")}
+MODULE_NAMES = {exported: name for name, exported in EXPORT_NAMES.items()}
+
+
 def export_config(config: DrafterConfig) -> dict:
-    """The config.json of an exported drafter: a Qwen3 decoder config plus the DFlash fields."""
+    """The config.json of an exported drafter: a Qwen3 decoder config plus the DFlash fields (and DFlash2's)."""
     sliding = "sliding_attention" in config.layer_types
+    dflash2 = {name: getattr(config, name) for name in DFLASH2_FIELDS} if config.dflash2 else {}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if config.dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_layers,
@@ -53,6 +61,7 @@ def export_config(config: DrafterConfig) -> dict:
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
             "block_size": config.block_size,
+            **dflash2,
         },
         "torch_dtype": "bfloat16",
     }
@@ -63,7 +72,8 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise InputError(f"export folder {out_dir} already exists; choose a new folder or delete the old export.")
-    tensors = {name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in drafter.state_dict().items()}
+    tensors = {EXPORT_NAMES.get(name, name): t.detach().to(torch.bfloat16).contiguous().cpu()
+               for name, t in drafter.state_dict().items()}
     with new_folder(out_dir) as tmp:
         save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "target_layer_ids_convention": CONVENTION})
         (tmp / CONFIG_FILE).write_text(json.dumps(export_config(drafter.config), indent=2) + "\n")
@@ -97,6 +107,7 @@ def config_from_export(config: dict) -> DrafterConfig:
     """DrafterConfig of an exported config.json; configs without layer_types (older releases) are all full attention."""
     dflash = config["dflash_config"]
     num_layers = config["num_hidden_layers"]
+    dflash2 = "DFlash2DraftModel" in config.get("architectures", [])
     return DrafterConfig(
         hidden_size=config["hidden_size"],
         num_layers=num_layers,
@@ -114,6 +125,7 @@ def config_from_export(config: dict) -> DrafterConfig:
         layer_types=config.get("layer_types") or ["full_attention"] * num_layers,
         sliding_window=config.get("sliding_window") or defaults.SLIDING_WINDOW,
         num_target_layers=config["num_target_layers"],
+        **({"architecture": "dflash2", **{name: dflash[name] for name in DFLASH2_FIELDS}} if dflash2 else {}),
     )
 
 
@@ -128,7 +140,7 @@ def load_exported(export_dir: str | Path, device: str | torch.device = "cpu") ->
     except (ValueError, KeyError, TypeError, ConfigError) as exc:
         raise InputError(f"{config_file} is not a valid DFlash drafter config ({type(exc).__name__}: {exc}).") from None
     try:
-        tensors = load_file(weights_file, device=str(device))
+        tensors = {MODULE_NAMES.get(name, name): t for name, t in load_file(weights_file, device=str(device)).items()}
     except (SafetensorError, OSError) as exc:
         raise InputError(f"{weights_file} cannot be read as safetensors ({exc}); re-export the drafter.") from None
     with torch.device("meta"):  # no random init of weights that are replaced at once

@@ -4,12 +4,16 @@ row chunks so that only one chunk's [rows, V] logits is ever alive; plus per-slo
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dflashq import defaults
 from trainer.fused import fused
+
+if TYPE_CHECKING:
+    from trainer.dflash2 import SelectorLoss
 
 
 def default_gamma(block_size: int) -> float:
@@ -41,6 +45,9 @@ class DFlashLoss:
     eal: Tensor  # [] expected acceptance length from acc
     correct: Tensor  # [B-1] correct valid rows per slot, for aggregating accuracy over steps
     count: Tensor  # [B-1] valid rows per slot
+    top_logits: Tensor | None = None  # [R, K] with top_k: the K largest logits of each valid row (fp32)...
+    top_ids: Tensor | None = None  # [R, K] ...and their token ids (DFlash2's selector candidates)
+    selector: SelectorLoss | None = None  # a DFlash2 drafter's selector loss (trainer.step.backward)
 
 
 def dflash_loss(
@@ -50,43 +57,47 @@ def dflash_loss(
     slot_valid: Tensor,
     gamma: float | None = None,
     chunk_rows: int = defaults.LOSS_CHUNK_ROWS,
+    top_k: int = 0,
 ) -> DFlashLoss:
     """hidden [b, N, B, H] final drafter states; lm_head [V, H] frozen; targets, slot_valid [b, N, B]
-    (trainer.anchors.gather_blocks). Loss = sum_valid w_k CE / sum_valid w_k; only valid rows reach the head."""
+    (trainer.anchors.gather_blocks). Loss = sum_valid w_k CE / sum_valid w_k; only valid rows reach the head, in
+    the order of hidden[slot_valid]. top_k > 0 also keeps each row's top-k logits (from the same head products)."""
     block_size = hidden.shape[2]
     weights = decay_weights(block_size, gamma, hidden.device).expand_as(slot_valid)  # [b, N, B]
     slots = torch.arange(block_size, device=hidden.device).expand_as(slot_valid)  # [b, N, B]
     row_weights = weights[slot_valid]  # [R]
     row_scale = row_weights / loss_weight(slot_valid, gamma).clamp_min(torch.finfo(torch.float32).tiny)  # [R]
-    loss, correct_rows = _ChunkedHeadCrossEntropy.apply(
-        hidden[slot_valid], lm_head, targets[slot_valid], row_scale, chunk_rows
-    )  # [], [R]
+    loss, correct_rows, top_logits, top_ids = _ChunkedHeadCrossEntropy.apply(
+        hidden[slot_valid], lm_head, targets[slot_valid], row_scale, chunk_rows, top_k
+    )  # [], [R], [R, K], [R, K]
     row_slots = slots[slot_valid]  # [R]
     count = torch.bincount(row_slots, minlength=block_size)[1:]  # [B-1]
     correct = torch.bincount(row_slots, weights=correct_rows.float(), minlength=block_size)[1:]  # [B-1]
     acc = correct / count.clamp_min(1)  # [B-1]
-    return DFlashLoss(loss, acc, expected_acceptance_length(acc), correct, count)
+    return DFlashLoss(loss, acc, expected_acceptance_length(acc), correct, count,
+                      top_logits if top_k else None, top_ids if top_k else None)
 
 
-def _chunk_terms(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool):
-    """One chunk's scaled CE sum, top-1 hits and, if asked, d loss / d logits = (softmax - onehot) * scale in the
-    logits' dtype. logits [r, V] (the head's dtype), targets and scale [r]. Compiled on the GPU in training
-    (trainer.fused): one pass over the logits instead of a kernel per line."""
+def _chunk_terms(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool, top_k: int = 0):
+    """One chunk's scaled CE sum, top-1 hits, its top_k logits and ids (empty for 0) and, if asked, d loss / d logits
+    = (softmax - onehot) * scale in the logits' dtype. logits [r, V] (the head's dtype), targets and scale [r].
+    Compiled on the GPU in training (trainer.fused): one pass over the logits instead of a kernel per line."""
     logits32 = logits.float()  # [r, V]
     lse = logits32.logsumexp(-1)  # [r]
     target_logit = logits32.gather(1, targets[:, None])[:, 0]  # [r]
     loss = ((lse - target_logit) * scale).sum()  # []
     correct = logits32.argmax(-1) == targets  # [r]
+    top = logits32.topk(top_k, dim=-1)  # [r, K] x2
     if not need_grad:
-        return loss, correct, None
+        return loss, correct, top, None
     # built in place in the fp32 buffer: eager code (the CPU) never holds a second [r, V] fp32 tensor
     grad = logits32.sub_(lse[:, None]).exp_()  # [r, V]
     grad[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
     grad *= scale[:, None]
-    return loss, correct, grad.to(logits.dtype)  # [], [r], [r, V]
+    return loss, correct, top, grad.to(logits.dtype)  # [], [r], [r, K] x2, [r, V]
 
 
-def _chunk_sizes(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool):
+def _chunk_sizes(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool, top_k: int = 0):
     return [(logits, [0]), (targets, [0]), (scale, [0])]  # the last chunk's rows differ
 
 
@@ -96,7 +107,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     keeps only [R, H] for backward, never [R, V]."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, lm_head: Tensor, targets: Tensor, row_scale: Tensor, chunk_rows: int):
+    def forward(ctx, hidden: Tensor, lm_head: Tensor, targets: Tensor, row_scale: Tensor, chunk_rows: int,
+                top_k: int):
         if lm_head.requires_grad:
             raise ValueError("the target LM head must be frozen (requires_grad=False): its gradient is not computed")
         need_grad = ctx.needs_input_grad[0]
@@ -104,19 +116,21 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         terms = fused(_chunk_terms, hidden, need_grad, _chunk_sizes)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)  # []
         correct = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)  # [R]
+        top_logits = torch.empty(targets.shape[0], top_k, dtype=torch.float32, device=hidden.device)  # [R, K]
+        top_ids = torch.empty(targets.shape[0], top_k, dtype=torch.long, device=hidden.device)  # [R, K]
         grad_hidden = torch.empty_like(hidden) if need_grad else None  # [R, H]
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            chunk_loss, correct[rows], grad_logits = terms(hidden[rows] @ weight.T, targets[rows], row_scale[rows],
-                                                           need_grad)  # [], [r], [r, V] or None
+            chunk_loss, correct[rows], (top_logits[rows], top_ids[rows]), grad_logits = terms(
+                hidden[rows] @ weight.T, targets[rows], row_scale[rows], need_grad, top_k)  # [], [r], [r, K] x2, [r, V]
             loss += chunk_loss
             if need_grad:
                 grad_hidden[rows] = grad_logits @ weight  # [r, H]
-        ctx.mark_non_differentiable(correct)
+        ctx.mark_non_differentiable(correct, top_logits, top_ids)
         ctx.save_for_backward(grad_hidden)
-        return loss, correct
+        return loss, correct, top_logits, top_ids
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, grad_correct: Tensor):
+    def backward(ctx, grad_loss: Tensor, *grad_rest):
         (grad_hidden,) = ctx.saved_tensors  # [R, H]
-        return (grad_loss * grad_hidden).to(grad_hidden.dtype), None, None, None, None
+        return (grad_loss * grad_hidden).to(grad_hidden.dtype), None, None, None, None, None

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.drafter import DFlashDrafter
@@ -38,7 +38,10 @@ def wrap(drafter: DFlashDrafter, ranks: Ranks, parallel: str, device: torch.devi
         mesh = init_device_mesh(device.type, (ranks.world_size,))
         for layer in drafter.layers:  # one all-gather per layer in forward, so only one layer is ever unsharded
             fully_shard(layer, mesh=mesh)
-        return fully_shard(drafter, mesh=mesh)
+        model = fully_shard(drafter, mesh=mesh)
+        if drafter.config.dflash2:  # trainer.step calls it after the forward: it gathers the selector's weights too
+            register_fsdp_forward_method(model, "selector_loss")
+        return model
     return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
 
 

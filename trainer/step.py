@@ -12,11 +12,12 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dflashq import defaults
 from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import Attention, DFlashDrafter, DrafterConfig, uses_flex
-from trainer.loss import DFlashLoss, dflash_loss, loss_weight
+from trainer.loss import DFlashLoss, decay_weights, dflash_loss, loss_weight
 from trainer.target_head import TargetHead
 
 
@@ -129,14 +130,28 @@ def loss_shares(drawn: list[Blocks]) -> Tensor:
 def backward(model: nn.Module, head: TargetHead, batch: Batch, blocks: Blocks, *, loss_chunk_rows: int,
              scale: float | Tensor = 1.0, attention: Attention = "auto") -> DFlashLoss:
     """Forward and backward of one (micro-)batch through `model` (the drafter, or its DDP / FSDP form), the
-    gradient of `scale` x its loss accumulated into the parameters."""
+    gradient of `scale` x its loss accumulated into the parameters. A DFlash2 drafter adds its selector's loss
+    (trainer.dflash2.selector_loss), returned in `selector`; `loss` stays DFlash's."""
+    drafter = model.module if isinstance(model, DistributedDataParallel) else model
+    config = drafter.config
     on_gpu = batch.context.is_cuda
     with torch.autocast(device_type=batch.context.device.type, dtype=torch.bfloat16, enabled=on_gpu):
         hidden = model(batch.context, blocks.block_ids, blocks.anchors, head, attention)  # [b, N, B, H]
     # the head runs in its own dtype (bf16 on GPU): never a converted copy of the [V, H] matrix per step
-    out = dflash_loss(hidden.to(head.lm_head.dtype), head.lm_head, blocks.targets, blocks.slot_valid,
-                      chunk_rows=loss_chunk_rows)
-    (out.loss * scale).backward()
+    hidden = hidden.to(head.lm_head.dtype)  # [b, N, B, H]
+    out = dflash_loss(hidden, head.lm_head, blocks.targets, blocks.slot_valid, chunk_rows=loss_chunk_rows,
+                      top_k=config.selector_top_k if config.dflash2 else 0)
+    loss = out.loss
+    if config.dflash2:
+        valid = blocks.slot_valid  # [b, N, B]
+        slots = torch.arange(config.block_size, device=valid.device).expand_as(valid)  # [b, N, B]
+        predecessors = torch.cat([blocks.targets[..., :1], blocks.targets[..., :-1]], dim=-1)  # [b, N, B] token before
+        out.selector = drafter.selector_loss(
+            hidden[valid], out.top_logits, out.top_ids, predecessors[valid], blocks.targets[valid],
+            decay_weights(config.block_size, device=valid.device).expand_as(valid)[valid], slots[valid],
+            config.block_size)
+        loss = loss + out.selector.loss
+    (loss * scale).backward()
     return out
 
 
