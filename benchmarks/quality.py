@@ -503,7 +503,9 @@ def reference_loop(model_path: str, drafter_dir: Path, max_new_tokens: int, devi
     target = load_target(model_path, device)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     stop = sorted(eos_ids(target, tokenizer))
-    draft = reference.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=next(target.parameters()).dtype)
+    architectures = json.loads((Path(drafter_dir) / "config.json").read_text()).get("architectures") or []
+    model_class = reference.DFlash2DraftModel if "DFlash2DraftModel" in architectures else reference.DFlashDraftModel
+    draft = model_class.from_pretrained(str(drafter_dir), dtype=next(target.parameters()).dtype)
     draft = draft.to(device).eval()
 
     @torch.inference_mode()
