@@ -18,6 +18,7 @@ from workers.recovery import pid_running
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_demo_runs_the_pipeline_and_prints_tau(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--out", str(out)], cwd=ROOT,

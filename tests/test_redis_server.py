@@ -16,6 +16,7 @@ def dflashq(*args, env=None):
     return subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_start_reuse_stop(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     store = ["--store", str(tmp_path), "--run", "emb"]

@@ -108,6 +108,7 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
 
 
 # --- the transformers engine --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_killed_run_resumes_without_losing_or_doubling_a_record(tmp_path, tiny_qwen35, target):
     good = []
     for i in range(16):
@@ -169,6 +170,7 @@ def test_killed_run_resumes_without_losing_or_doubling_a_record(tmp_path, tiny_q
     assert read_jsonl(tmp_path / "out" / "regenerated.failed.jsonl") == []
 
 
+@pytest.mark.slow
 def test_engine_processes_answer_as_one_engine_does(tmp_path, tiny_qwen35, target):
     """`--processes 2`: two engine processes share the device; the output is the same target's greedy turns, one
     line per record, and a killed engine process ends the run with one sentence, keeping the records done."""
@@ -545,6 +547,7 @@ def test_endpoint_retries_until_complete_and_records_what_keeps_failing(tmp_path
 
 
 # --- settings and user errors -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_settings_reach_the_endpoint(tmp_path, chat_server):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(chat("Hello", "old")) + "\n")
@@ -597,6 +600,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["data.jsonl", "--out", "o.jsonl", "--set", "regenerate.concurrency=0"], "regenerate.concurrency must be at least 1"),
     (["data.jsonl", "--out", "o.jsonl", "--set", "regenerate.retries=0", "--endpoint", f"http://127.0.0.1:{free_port()}"],
