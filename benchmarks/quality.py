@@ -220,7 +220,10 @@ def write_code_repeats(regenerated: Path, out: Path, repeats: int) -> int:
             code += 1
             for k in range(2, repeats + 1):
                 dst.write(json.dumps({**record, "id": f"{record.get('id')}#{k}"}) + "\n")
-    out.with_suffix(".tmp").replace(out)  # whole or absent: its fingerprint is the run's
+    if out.exists() and out.read_bytes() == out.with_suffix(".tmp").read_bytes():
+        out.with_suffix(".tmp").unlink()  # kept as it was: a resumed `up` must see the run's data fingerprint
+    else:
+        out.with_suffix(".tmp").replace(out)  # whole or absent: its fingerprint is the run's
     return code
 
 

@@ -515,6 +515,10 @@ def test_quality_repeats_the_records_that_hold_code_in_any_turn(tmp_path):
     copies = [json.loads(line) for line in out.read_text().splitlines()]
     assert [c["id"] for c in copies] == ["fence#2", "fence#3", "asked#2", "asked#3", "c#2", "c#3"]
     assert copies[0]["messages"] == records[0]["messages"]
+    # written again (a resumed `up`) from the same records: the file is kept, so the run's data fingerprint holds
+    written = out.stat().st_mtime_ns
+    assert write_code_repeats(regenerated, out, 3) == 3 and out.stat().st_mtime_ns == written
+    assert not out.with_suffix(".tmp").exists()
 
 
 def test_quality_eval_shards_balance_the_decoding_loops_each_shard_runs():
