@@ -7,6 +7,7 @@ process, not init), and each test fails when a process it started is still runni
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -46,8 +47,12 @@ def _live_processes() -> dict[int, tuple[int, str]]:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except (FileNotFoundError, ProcessLookupError):
             continue
+        pid, parent, session = int(entry), int(fields[1]), int(fields[3])
         if fields[0] != "Z":
-            found[int(entry)] = (int(fields[1]), cmdline)
+            found[pid] = (parent, cmdline)
+        elif parent == os.getpid() and session == pid:  # an adopted daemon that ended: no Popen will wait for it
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
     return found
 
 

@@ -130,7 +130,7 @@ def test_pause_resume_drain_and_requeue_failed(tmp_path, redis_url, tiny_qwen35)
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         # paused: the worker, up and asking for work, waits and leaves the chunk queued
-        wait_until(lambda: conn.hget(f"rq:worker:{HOST}.cpu0", "state") == b"suspended", worker, "never waited", 120)
+        wait_until(lambda: conn.hget(f"rq:worker:{HOST}.cpu0", "state") == b"suspended", worker, "never waited", 600)
         assert Queue(keys.shared_queue, connection=conn).count == 1
         assert cli("resume", *args).returncode == 0
         failed = FailedJobRegistry(queue=Queue(keys.shared_queue, connection=conn))
