@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,9 @@ def pytest_configure(config):
     # not inherited: under pytest-xdist each worker adopts its own tests' orphans
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    # multiprocessing's helper (a spawn pool starts it) lives as long as this process: started before any test, so
+    # that no test is charged with it
+    resource_tracker.ensure_running()
 
 
 def _live_processes() -> dict[int, tuple[int, str]]:

@@ -69,6 +69,7 @@ def test_long_samples_dropped_by_config(tmp_path, redis_url, qwen3_tokenizer_dir
     assert (report.kept, report.dropped_too_long, report.truncated) == (1, 1, 0)
 
 
+@pytest.mark.slow
 def test_same_data_twice_adds_nothing_and_chunk_ids_are_deterministic(tmp_path, redis_url, qwen3_tokenizer_dir, conn):
     data = write_sample_data(tmp_path / "sample.jsonl", n=80)
     settings = make_settings(tmp_path, redis_url, qwen3_tokenizer_dir, [data], **{"data.tokenize_processes": 2})

@@ -41,6 +41,7 @@ def test_default_layer_ids_equal_the_reference_rule():
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33] and default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
 
+@pytest.mark.slow
 def test_eval_tau_and_text_equal_the_reference_generate_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # it times with CUDA events
     model_dir = write_tiny_model(str(tmp_path / "target"), "llama")

@@ -214,6 +214,7 @@ def test_a_warm_shutdown_does_not_wait_a_minute_for_the_command_listener(tmp_pat
     assert time.monotonic() - started < 5 and not worker.pubsub_thread.is_alive()
 
 
+@pytest.mark.slow
 def test_a_restart_asked_just_after_a_dequeue_finishes_that_chunk_first(tmp_path, redis_url, tiny_qwen35):
     """RQ heartbeats once more between popping a chunk and starting it; a "restart" seen there used to stop the worker
     with the chunk in no queue and no registry, to be found as an orphan 30 s later (and never, by a burst worker
@@ -323,6 +324,7 @@ def test_out_of_memory_chunk_is_split_and_retried(tmp_path, redis_url, tiny_qwen
     assert stream_chunks(run.conn, run.keys) == ["w-e0-oom-000000000-000000007"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writers", [1, 2])
 def test_writers_write_blobs_at_once_and_bound_the_chunks_in_flight(tmp_path, redis_url, tiny_qwen35, writers):
     settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"workers.writers": writers})
