@@ -280,7 +280,10 @@ def write_code_repeats(regenerated: Path, out: Path, repeats: int) -> int:
             code += 1
             for k in range(2, repeats + 1):
                 dst.write(json.dumps({**record, "id": f"{record.get('id')}#{k}"}) + "\n")
-    out.with_suffix(".tmp").replace(out)  # whole or absent: its fingerprint is the run's
+    if out.exists() and out.read_bytes() == out.with_suffix(".tmp").read_bytes():
+        out.with_suffix(".tmp").unlink()  # kept as it was: a resumed `up` must see the run's data fingerprint
+    else:
+        out.with_suffix(".tmp").replace(out)  # whole or absent: its fingerprint is the run's
     return code
 
 
@@ -292,9 +295,14 @@ def phase_up(work: Path, args, settings) -> dict:
     cmd = [sys.executable, "-m", "ops.cli", "up", "--config", str(work / "run.toml"), "--no-live"]
     if args.tiny:
         cmd += ["--workers", "1"]
-    done = subprocess.run(cmd, cwd=ROOT)  # `-m ops.cli` from the checkout: it is on the path, and so is the user's PYTHONPATH
-    if done.returncode != 0:
-        sys.exit(f"dflashq up exited with {done.returncode}; see {work / 'runs' / 'quality' / 'logs'} and run again")
+    up = subprocess.Popen(cmd, cwd=ROOT)  # `-m ops.cli` from the checkout: it is on the path, and so is the user's PYTHONPATH
+    try:
+        up.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached `up` too: it stops its children gracefully, and this waits for that
+        up.wait()
+        raise
+    if up.returncode != 0:
+        sys.exit(f"dflashq up exited with {up.returncode}; see {work / 'runs' / 'quality' / 'logs'} and run again")
     from ops.redis_server import open_run
     from ops.report import step_time_medians, write_report
     from ops.status import trainer_ranks, worker_progress
@@ -614,20 +622,23 @@ def main() -> None:
             for path in args.regenerated:
                 with (gzip.open if path.endswith(".gz") else open)(path, "rb") as src:
                     shutil.copyfileobj(src, dst)
-    for phase in PHASES:
-        if phase in OPTIONAL and not getattr(args, OPTIONAL[phase]):
-            continue
-        if phase in state:
-            print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)
-        else:
-            started = time.perf_counter()
-            runner = globals()[f"phase_{phase}"]
-            result = runner(work, args) if phase in ("model", "prompts") else runner(work, args, settings)
-            state[phase] = {**result, "seconds": round(time.perf_counter() - started, 1)}
-            state_file.write_text(json.dumps(state, indent=2))
-            print(f"{phase}: {json.dumps(state[phase])}", file=sys.stderr, flush=True)
-        if phase == args.stop_after:
-            break
+    from ops.redis_server import stopped_at_end
+
+    with stopped_at_end(settings):  # `up` leaves the run's embedded Redis serving, as a run's commands do
+        for phase in PHASES:
+            if phase in OPTIONAL and not getattr(args, OPTIONAL[phase]):
+                continue
+            if phase in state:
+                print(f"{phase}: done earlier ({state[phase]['seconds']} s)", file=sys.stderr, flush=True)
+            else:
+                started = time.perf_counter()
+                runner = globals()[f"phase_{phase}"]
+                result = runner(work, args) if phase in ("model", "prompts") else runner(work, args, settings)
+                state[phase] = {**result, "seconds": round(time.perf_counter() - started, 1)}
+                state_file.write_text(json.dumps(state, indent=2))
+                print(f"{phase}: {json.dumps(state[phase])}", file=sys.stderr, flush=True)
+            if phase == args.stop_after:
+                break
     # the recipe itself, not only the command: the defaults change between runs (benchmarks/tau_scaling.py reads it)
     recipe = {k: getattr(settings.train, k) for k in ("epochs", "num_anchors", "learning_rate", "micro_batch_tokens")}
     print(json.dumps({"benchmark": "quality", "codec": args.codec, "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",

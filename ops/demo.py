@@ -81,13 +81,9 @@ def run_demo(out: str, workers: int = 2) -> dict:
     """prepare -> regenerate -> `up` -> export -> speculative decoding with tau; stops its embedded Redis at the end."""
     config = prepare(out)
     settings = settings_module.load(config)
-    embedded = not settings.redis.url  # REDIS_URL may name the user's own server: that one stays up
-    settings.redis.url = redis_server.resolve_url(settings)
-    try:
+    with redis_server.stopped_at_end(settings):  # REDIS_URL may name the user's own server: that one stays up
+        settings.redis.url = redis_server.resolve_url(settings)
         return _run(settings, Path(config).parent, workers)
-    finally:
-        if embedded:  # a later command of the demo's run starts it again from its AOF
-            redis_server.EmbeddedRedis(settings.run_dir).stop()
 
 
 def _run(settings, root: Path, workers: int) -> dict:

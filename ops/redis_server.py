@@ -6,6 +6,7 @@ Later commands of the same run find it through `<run_dir>/redis/port` and reuse 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -56,11 +57,15 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _alive(url: str) -> bool:
+def _alive(url: str, conf: Path) -> bool:
+    """Whether the server started from `conf` answers at `url`: once it is stopped, another server (another run's)
+    may get its port."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+        info = client.ping() and client.info("server")  # ping: not while it is still loading its AOF
     except (redis.ConnectionError, redis.TimeoutError):
         return False
+    return Path(info.get("config_file") or "/").resolve() == conf.resolve()
 
 
 class EmbeddedRedis:
@@ -72,6 +77,10 @@ class EmbeddedRedis:
     @property
     def port_file(self) -> Path:
         return self.dir / "port"
+
+    @property
+    def conf(self) -> Path:
+        return self.dir / "redis.conf"
 
     def url(self) -> str | None:
         if not self.port_file.exists():
@@ -92,7 +101,7 @@ class EmbeddedRedis:
             # Two commands starting at once must not start two servers.
             fcntl.flock(lock, fcntl.LOCK_EX)
             url = self.url()
-            if url and _alive(url):
+            if url and _alive(url, self.conf):
                 return url
             previous = int(self.port_file.read_text()) if self.port_file.exists() else None
             # Reuse the previous port so that connected workers reconnect to the restarted server.
@@ -102,7 +111,7 @@ class EmbeddedRedis:
             return f"redis://127.0.0.1:{port}/0"
 
     def _start(self, port: int) -> None:
-        conf = self.dir / "redis.conf"
+        conf = self.conf
         conf.write_text(
             "\n".join(
                 [
@@ -124,7 +133,7 @@ class EmbeddedRedis:
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            if _alive(url):
+            if _alive(url, conf):
                 return
             time.sleep(0.05)
         raise RedisUnavailable(
@@ -134,14 +143,14 @@ class EmbeddedRedis:
     def stop(self) -> bool:
         """Shut the server down cleanly (AOF flushed). Returns False when it was not running."""
         url = self.url()
-        if not url or not _alive(url):
+        if not url or not _alive(url, self.conf):
             return False
         try:
             redis.Redis.from_url(url).shutdown()
         except redis.ConnectionError:
             pass  # the server closes the connection as it exits
         deadline = time.monotonic() + START_TIMEOUT_S
-        while _alive(url) and time.monotonic() < deadline:
+        while _alive(url, self.conf) and time.monotonic() < deadline:
             time.sleep(0.05)
         return True
 
@@ -153,6 +162,19 @@ class EmbeddedRedis:
             deadline = time.monotonic() + START_TIMEOUT_S
             while pid_running(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def stopped_at_end(settings):
+    """For a command that starts the run's embedded Redis but is not meant to leave it serving (the demo, the quality
+    benchmark): stops it when the block ends, however it ends; a later command starts it again from its AOF. A Redis
+    the user named (redis.url, REDIS_URL) is left alone."""
+    embedded = not settings.redis.url
+    try:
+        yield
+    finally:
+        if embedded:
+            EmbeddedRedis(settings.run_dir).stop()
 
 
 def healer(settings):

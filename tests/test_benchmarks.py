@@ -5,24 +5,39 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import gzip
 import json
 import math
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def bench(script, *args):
-    result = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+    # its own process group: past the timeout (a hang) its children go with it
+    proc = subprocess.Popen([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
 
 
+@pytest.mark.slow
 def test_extract_benchmark_reports_every_phase_and_every_blob():
     report, log = bench("extract.py", "--tiny", "--chunks", "2", "--profile")
     assert report["chunks"] == 2 and report["announced_blobs"] == 2
@@ -46,6 +61,7 @@ def test_extract_benchmark_reports_every_phase_and_every_blob():
     assert min(codecs[c][k] for c in ("bf16", "fp8") for k in ("encode_mb_per_s_per_core", "decode_mb_per_s_per_core")) > 0
 
 
+@pytest.mark.slow
 def test_extract_benchmark_with_the_fp8_codec():
     report, _ = bench("extract.py", "--tiny", "--chunks", "2", "--codec", "fp8")
     assert report["codec"] == "fp8" and report["announced_blobs"] == 2 and report["verify_ok"]
@@ -53,6 +69,7 @@ def test_extract_benchmark_with_the_fp8_codec():
     assert report["compression_ratio"] > 3 and 2 ** -8 < max(report["float32_error_stored"].values()) < 2 ** -4
 
 
+@pytest.mark.slow
 def test_codec_benchmark_compares_both_codecs_on_the_same_states():
     report, _ = bench("codec.py", "--tiny")
     bf16, fp8 = report["bf16"], report["fp8"]
@@ -69,6 +86,7 @@ def test_codec_benchmark_compares_both_codecs_on_the_same_states():
     assert ent["channel_entropy_vs_bf16_bytes"] == pytest.approx(ent["channel_entropy_bits"] / 8 / bf16["bytes_per_value"], abs=2e-3)
 
 
+@pytest.mark.slow
 def test_train_benchmark_steps():
     report, _ = bench("train.py", "--tiny", "--steps", "2", "--warmup-steps", "1")
     assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])
@@ -79,6 +97,7 @@ def test_train_benchmark_steps():
     assert report["graphs_compiled"] == 0
 
 
+@pytest.mark.slow
 def test_train_benchmark_chat_lengths_leave_prompts_out_of_the_loss():
     report, _ = bench("train.py", "--tiny", "--lengths", "chat", "--steps", "3", "--warmup-steps", "0",
                       "--automatic-dynamic")
@@ -88,12 +107,14 @@ def test_train_benchmark_chat_lengths_leave_prompts_out_of_the_loss():
     assert 0 < report["tokens_per_s"] < report["seq_len"] * report["samples_per_s"]
 
 
+@pytest.mark.slow
 def test_produce_benchmark_admits_every_conversation():
     report, _ = bench("produce.py", "--conversations", "200", "--processes", "1")
     assert report["conversations"] == 200 and report["chunks"] > 0
     assert report["tokens_per_second"] > 0 and 500 < report["tokens_per_conversation"] < 2000
 
 
+@pytest.mark.slow
 def test_worker_shape_buckets_cost_at_most_two_percent_in_padding_on_real_conversations():
     """The power-of-two row buckets that let kernels autotune once per host, on ShareGPT prompts with a
     target's own answers (the quality benchmark's data), as the producer packs them."""
@@ -103,9 +124,45 @@ def test_worker_shape_buckets_cost_at_most_two_percent_in_padding_on_real_conver
     assert 0 < report["padding_fraction"] < 0.5 and report["bucketing_throughput_cost"] <= 0.02
 
 
-def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
-    work = str(tmp_path / "quality")
-    report, _ = bench("quality.py", "--tiny", "--work", work)
+QUALITY_PHASES = ("model", "prompts", "regenerate", "up", "eval")
+
+
+@pytest.fixture(scope="session")
+def tiny_quality_run(tmp_path_factory) -> tuple[Path, dict]:
+    """benchmarks/quality.py --tiny once for the whole test run, every phase: its folder and its report. Under
+    pytest-xdist the first process that needs it makes it in the folder all processes share, and the others wait for
+    it. Its users only read the folder; what they change, they change in a copy (copy_quality_run)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this test run's, above each process's own
+    work, made = root / "tiny-quality-run", root / "tiny-quality-run.json"
+    with open(root / "tiny-quality-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            report, _ = bench("quality.py", "--tiny", "--work", str(work))
+            made.write_text(json.dumps(report))
+    return work, json.loads(made.read_text())
+
+
+def copy_quality_run(work: Path, to: Path, phases=QUALITY_PHASES) -> Path:
+    """The run's folder as far as `phases` go (state.json keeps only those): a later run goes on from there. Its
+    Redis folder stays behind: the copy's `up`, if it runs, starts one of its own."""
+    done = {"model": ["model"], "prompts": ["sharegpt.jsonl"], "regenerate": ["regenerated.jsonl"],
+            "up": ["runs"], "eval": ["eval"]}
+    to.mkdir(parents=True)
+    for phase in phases:
+        for name in done[phase]:
+            shutil.copytree(work / name, to / name, ignore=shutil.ignore_patterns("redis")) if (work / name).is_dir() \
+                else shutil.copy(work / name, to / name)
+    state = json.loads((work / "state.json").read_text())
+    (to / "state.json").write_text(json.dumps({phase: state[phase] for phase in phases}))
+    return to
+
+
+@pytest.mark.slow
+def test_quality_benchmark_runs_every_phase_and_resumes(tiny_quality_run, tmp_path):
+    quality, report = tiny_quality_run
+    work = str(quality)
     assert report["prompts"]["conversations"] == 24  # read object by object from the cut-off ShareGPT JSON
     from dflashq import settings as settings_module
 
@@ -146,9 +203,10 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tmp_path):
     assert [s["step"] for s in steps] == [report["up"]["steps"] - 1, report["up"]["steps"]]
     assert all(abs(s["measured_eal"] - s["logged_eal"]) < 1.0 for s in steps)
     again, log = bench("quality.py", "--tiny", "--work", work)
-    assert all(f"{phase}: done earlier" in log for phase in ("model", "prompts", "regenerate", "up", "eval"))
+    assert all(f"{phase}: done earlier" in log for phase in QUALITY_PHASES)
     assert again["eval"] == report["eval"]
     # an eval cut short: shard 1 lost its last prompt, and its file ends in a torn line; the rerun does that prompt only
+    work = str(copy_quality_run(quality, tmp_path / "cut-short"))
     state_file, shard = Path(work, "state.json"), Path(work, "eval", "shard-1.jsonl")
     state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "eval"}))
     lines = shard.read_text().splitlines()
@@ -166,6 +224,7 @@ def quality_record(path, tokens, taus, **fields):
     path.write_text(json.dumps({"up": {"tokens_extracted": tokens, "seconds": tokens / 1e5}, "eval": evaluated, **fields}))
 
 
+@pytest.mark.slow
 def test_tau_scaling_reads_each_runs_recipe_and_fits_only_across_token_counts(tmp_path):
     # two runs from before the recipe was recorded (their flags, else that day's defaults: 512 anchors, 2 epochs)
     quality_record(tmp_path / "quality-a-h200-2026-12-01.json", 1e6, (1.2, 1.3), command="quality.py --epochs 4")
@@ -186,8 +245,40 @@ def test_tau_scaling_reads_each_runs_recipe_and_fits_only_across_token_counts(tm
     assert all(fit["fit"].startswith("none") for fit in report["fit"].values())
 
 
-def test_quality_benchmark_compares_with_the_reference_on_the_first_prompts_only(tmp_path):
-    report, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "q"), "--reference-prompts", "1", "--code-repeats", "3")
+@pytest.mark.slow
+def test_quality_benchmark_interrupted_stops_its_redis_and_compares_with_the_reference_on_the_first_prompts_only(
+        tiny_quality_run, tmp_path):
+    """From the shared run's regenerated records: `up` and the eval again with other flags. Ctrl-C while `up` trains
+    stops `up`'s children gracefully and then the run's embedded Redis (nothing is left running); the rerun goes on."""
+    import conftest
+    from dflashq.keys import Keys
+    from ops.redis_server import EmbeddedRedis
+
+    work = copy_quality_run(tiny_quality_run[0], tmp_path / "q", ("model", "prompts", "regenerate"))
+    flags = ["--tiny", "--work", str(work), "--reference-prompts", "1", "--code-repeats", "3"]
+    before = set(conftest.started_here())
+    # its own session, as a terminal's foreground job: Ctrl-C reaches quality.py and `up`, not `up`'s children
+    with open(tmp_path / "interrupted.log", "w") as log:  # a file: a pipe nobody reads while polling would fill up
+        interrupted = subprocess.Popen([sys.executable, "benchmarks/quality.py", *flags], cwd=ROOT,
+                                       start_new_session=True, stdout=subprocess.DEVNULL, stderr=log)
+    server, trainer = EmbeddedRedis(str(work / "runs" / "quality")), Keys("quality").trainer
+    try:
+        deadline = time.monotonic() + 600
+        while not (server.url() and trainer_step(server.url(), trainer) >= 1):
+            assert time.monotonic() < deadline and interrupted.poll() is None, "the trainer never stepped"
+            time.sleep(0.1)
+        os.killpg(interrupted.pid, signal.SIGINT)
+        interrupted.wait(timeout=600)
+    finally:
+        if interrupted.poll() is None:
+            os.killpg(interrupted.pid, signal.SIGKILL)
+            interrupted.wait()
+    err = (tmp_path / "interrupted.log").read_text()
+    assert interrupted.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
+    assert conftest.left_running(before) == {}  # `up`, its children and the embedded redis-server all ended
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(server.url(), socket_connect_timeout=1).ping()
+    report, _ = bench("quality.py", *flags)
     # the producer read each record holding code three times: once in the regenerated file, twice after it
     up = report["up"]
     assert up["code_records"] >= 1 and up["records_read"] == report["regenerate"]["regenerated"] + 2 * up["code_records"]
@@ -198,6 +289,14 @@ def test_quality_benchmark_compares_with_the_reference_on_the_first_prompts_only
         assert result["dflashq_tau_on_those"] == result["reference_tau"] >= 1.0
 
 
+def trainer_step(url: str, key: str) -> int:
+    try:
+        return int(json.loads(redis.Redis.from_url(url, socket_connect_timeout=1).hget(key, "step") or "0"))
+    except redis.ConnectionError:
+        return 0
+
+
+@pytest.mark.slow
 def test_regenerate_benchmark_compares_engines_decoders_and_batch_plans_on_the_same_records():
     report, _ = bench("regenerate.py", "--tiny", "--static")
     assert report["whole"] is False
@@ -218,6 +317,7 @@ def test_regenerate_benchmark_compares_engines_decoders_and_batch_plans_on_the_s
     assert alone["generated_tokens"] == packed["generated_tokens"] > report["static"]["generated_tokens"]
 
 
+@pytest.mark.slow
 def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
     report, log = bench("workers.py", "--tiny")
     one, two, restart = report["one"], report["n"], report["restart"]
@@ -240,6 +340,7 @@ def test_workers_benchmark_times_one_against_two_workers_and_a_warm_restart():
         {"runs": 0, "seconds": 0, "runs_in_jobs": 0, "warm_up_seconds": None}
 
 
+@pytest.mark.slow
 def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():
     report, _ = bench("train.py", "--tiny", "--steps", "1", "--warmup-steps", "0", "--ranks", "2")
     one, per_rank = report["one_rank"], report["per_rank"]
@@ -250,6 +351,7 @@ def test_train_benchmark_on_two_ranks_reports_each_rank_and_the_scaling():
     assert report["scaling_efficiency"] == round(total / (2 * one["samples_per_s"]), 3) > 0
 
 
+@pytest.mark.slow
 def test_attention_benchmark_checks_each_path_against_the_cpu_reference():
     report, _ = bench("attention.py", "--tiny", "--paths", "sdpa,flex")
     sdpa, flex = report["paths"]
@@ -259,32 +361,37 @@ def test_attention_benchmark_checks_each_path_against_the_cpu_reference():
     assert not flex["supported"] and "CPU" in flex["reason"]  # flex has no CPU backward: said, not a crash
 
 
-def test_quality_benchmark_starts_from_an_earlier_runs_regenerated_records(tmp_path):
-    first, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "a"), "--stop-after", "regenerate")
-    assert "up" not in first and first["regenerate"]["generated_tokens"] > 0
+@pytest.mark.slow
+def test_quality_benchmark_starts_from_an_earlier_runs_regenerated_records(tiny_quality_run, tmp_path):
+    a, first = tiny_quality_run  # the earlier run, which regenerated the records itself
+    assert first["regenerate"]["generated_tokens"] > 0 and first["end_to_end"]["regenerate_counted"] == "this run"
     with gzip.open(tmp_path / "earlier.jsonl.gz", "wb") as f:
-        f.write((tmp_path / "a" / "regenerated.jsonl").read_bytes())
-    second, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "b"), "--stop-after", "regenerate",
+        f.write((a / "regenerated.jsonl").read_bytes())
+    # b and c start with the same model and prompts (those phases done), without regenerated records
+    b = copy_quality_run(a, tmp_path / "b", ("model", "prompts"))
+    second, _ = bench("quality.py", "--tiny", "--work", str(b), "--stop-after", "regenerate",
                       "--regenerated", str(tmp_path / "earlier.jsonl.gz"))
+    assert "up" not in second  # --stop-after
     # every record was done already: nothing generated, the same output
     assert second["regenerate"]["regenerated"] == first["regenerate"]["regenerated"]
     assert second["regenerate"]["generated_tokens"] == 0
-    assert (tmp_path / "b" / "regenerated.jsonl").read_bytes() == (tmp_path / "a" / "regenerated.jsonl").read_bytes()
+    assert (b / "regenerated.jsonl").read_bytes() == (a / "regenerated.jsonl").read_bytes()
     # reuse hides the regeneration's cost: it counts as the time the file took to make, unknown unless given
-    assert first["end_to_end"]["regenerate_counted"] == "this run" and "total" not in first["end_to_end"]
     assert second["end_to_end"]["minutes"]["regenerate"] is None
     # the records may come in several files (say an earlier pass and a later one that added records)
-    lines = (tmp_path / "a" / "regenerated.jsonl").read_bytes().splitlines(keepends=True)
+    lines = (a / "regenerated.jsonl").read_bytes().splitlines(keepends=True)
     (tmp_path / "part1.jsonl").write_bytes(b"".join(lines[:5]))
     with gzip.open(tmp_path / "part2.jsonl.gz", "wb") as f:
         f.write(b"".join(lines[5:]))
-    third, _ = bench("quality.py", "--tiny", "--work", str(tmp_path / "c"), "--stop-after", "regenerate",
+    c = copy_quality_run(a, tmp_path / "c", ("model", "prompts"))
+    third, _ = bench("quality.py", "--tiny", "--work", str(c), "--stop-after", "regenerate",
                      "--regenerated", str(tmp_path / "part1.jsonl"), str(tmp_path / "part2.jsonl.gz"),
                      "--regenerated-seconds", "120")
     assert third["regenerate"]["generated_tokens"] == 0
-    assert (tmp_path / "c" / "regenerated.jsonl").read_bytes() == (tmp_path / "a" / "regenerated.jsonl").read_bytes()
+    assert (c / "regenerated.jsonl").read_bytes() == (a / "regenerated.jsonl").read_bytes()
     assert third["end_to_end"]["minutes"]["regenerate"] == 2.0
     assert third["end_to_end"]["regenerate_counted"] == "--regenerated-seconds"
+    assert "total" not in third["end_to_end"]  # stopped after regenerate: the run's total is not known yet
 
 
 def test_random_target_of_a_shape_is_a_folder_the_workers_load(tmp_path):
@@ -308,6 +415,7 @@ def test_random_target_of_a_shape_is_a_folder_the_workers_load(tmp_path):
     assert (smollm2.model_type, smollm2.hidden_size, smollm2.num_hidden_layers, smollm2.vocab_size) == ("llama", 576, 30, 151936)
 
 
+@pytest.mark.slow
 def test_tau_scaling_fit_recovers_a_known_power_law_and_its_goal(tmp_path):
     """Runs whose tau - 1 follows 0.02 * (tokens / 1e5) ** 0.75 (one other learning rate and one other anchor count off
     the curve, one fp8 run): the fit over the bf16 runs at 6e-4 and 512 anchors gives back the exponent and the tokens
@@ -411,6 +519,10 @@ def test_quality_repeats_the_records_that_hold_code_in_any_turn(tmp_path):
     copies = [json.loads(line) for line in out.read_text().splitlines()]
     assert [c["id"] for c in copies] == ["fence#2", "fence#3", "asked#2", "asked#3", "c#2", "c#3"]
     assert copies[0]["messages"] == records[0]["messages"]
+    # written again (a resumed `up`) from the same records: the file is kept, so the run's data fingerprint holds
+    written = out.stat().st_mtime_ns
+    assert write_code_repeats(regenerated, out, 3) == 3 and out.stat().st_mtime_ns == written
+    assert not out.with_suffix(".tmp").exists()
 
 
 def test_quality_eval_shards_balance_the_decoding_loops_each_shard_runs():

@@ -46,6 +46,7 @@ def _output_hidden_states(model, sample: Sample, layer_ids) -> torch.Tensor:
     return torch.stack([states[t + 1][0] for t in layer_ids], dim=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "llama"])
 def test_padded_batch_capture_equals_output_hidden_states(models, arch):
     model = models[arch]
@@ -133,6 +134,7 @@ def test_tiny_models_are_deterministic_by_seed(tmp_path):
     assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow
 def test_tiny_model_tokenizers_and_chat_templates(model_dirs):
     from transformers import AutoTokenizer
 
@@ -158,6 +160,7 @@ def _stored(model, layer_ids, samples):
     return [h.clone() for h, _, _ in decode_blob(b"".join(data)).samples()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_verify_passes_correct_states_including_the_last_layer(models, arch):
     model = models[arch]
@@ -168,6 +171,7 @@ def test_verify_passes_correct_states_including_the_last_layer(models, arch):
     assert all(r.max_rel_diff < 1e-5 and r.problems() == "ok" for r in reports)
 
 
+@pytest.mark.slow
 def test_verify_flags_zeroed_and_perturbed_layers(models):
     model = models["qwen3_5"]
     layer_ids = [1, 4, 7]
@@ -193,6 +197,7 @@ def test_verify_flags_non_finite_values(models):
     assert not ok and report.non_finite == 1
 
 
+@pytest.mark.slow
 def test_verify_tolerates_bf16_batching_noise(model_dirs):
     model = load_target(model_dirs["qwen3_5"], dtype="bfloat16")
     layer_ids = [2, 5, 7]
@@ -201,6 +206,7 @@ def test_verify_tolerates_bf16_batching_noise(model_dirs):
     assert ok, [(r.layer_id, r.max_rel_diff) for r in reports]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
 def test_warm_up_runs_every_shape_through_the_first_layer_of_each_kind(models, arch):
     """Every power-of-two row count and a token total in every 512-token step, through layers 0..3 of the hybrid

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dflashq.compile_cache import use_run_cache
 from dflashq.store import Store
 
@@ -35,6 +37,7 @@ def _compile(store: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_reuses_the_runs_compiled_graph(tmp_path):
     first = _compile(tmp_path)
     assert first.get("fxgraph_cache_miss") == 1 and not first.get("fxgraph_cache_hit")

@@ -57,6 +57,7 @@ def assert_each_chunk_trained_once(settings, run, admitted):
     return state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_give_the_weights_of_one_rank_taking_two_chunks_per_step(tmp_path, redis_url, tiny_qwen35, parallel):
     # keep: both runs read the same blobs
@@ -116,6 +117,7 @@ def test_two_ranks_give_the_weights_of_one_rank_taking_two_chunks_per_step(tmp_p
     assert sorted(two_ranks.rng) == [0, 1]  # both ranks' RNG states
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_restarts_the_group_and_trains_every_chunk_once(tmp_path, redis_url, tiny_qwen35):
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"data.chunk_tokens": 256, "train.checkpoint_every_steps": 2})
     run, report = produce_and_extract(settings)
@@ -136,6 +138,7 @@ def test_sigkill_of_one_rank_restarts_the_group_and_trains_every_chunk_once(tmp_
     assert any(r.get("event") == "resumed" and r["ranks"] == 2 for r in log)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_group_cleanly_and_a_restart_on_fewer_ranks_claims_the_missing_ranks_entries(
         tmp_path, redis_url, tiny_qwen35):
     # no checkpoint but the one at a stop: every entry trained since stays pending for the rank that read it

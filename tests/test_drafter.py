@@ -124,6 +124,7 @@ def reference_block(drafter, head, context_states, token_ids, anchor):
     return rms(x, drafter.norm.weight, eps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("layer_types", [[SLIDING, SLIDING], [FULL, FULL], [SLIDING, FULL]])
 def test_batched_forward_matches_per_block_reference(attention, layer_types, head, batch):
@@ -137,6 +138,7 @@ def test_batched_forward_matches_per_block_reference(attention, layer_types, hea
     assert valid.sum() > 10 and not valid.all()  # several blocks per row, and padded blocks present
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_blocks", [1, 2, 3])
 def test_sdpa_groups_of_blocks_match_the_reference_and_each_other(group_blocks, head, batch, monkeypatch):
     """SDPA attends groups of consecutive blocks, each over the context up to its largest anchor and its own block
@@ -317,6 +319,7 @@ def test_mask_token_outside_the_vocabulary_is_refused():
                                           "num_attention_heads": 4}, num_layers=1, mask_token_id=10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_flex_equals_sdpa_when_the_blocks_do_not_fill_the_last_kernel_tile(device):
     """N*B = 37*16 = 592 query rows, not a multiple of the compiled kernel's 128-row tile (CUDA: compiled flex)."""
@@ -367,6 +370,7 @@ def test_flex_block_mask_is_the_tile_map_create_block_mask_computes(block_size, 
     assert ours.shape == dense.shape
 
 
+@pytest.mark.slow
 def test_compiled_elementwise_regions_compute_what_the_eager_code_does():
     """Training steps on the GPU run the norms, rotations, SwiGLU and the loss's softmax gradient compiled
     (trainer.fused); CI has no GPU, so the compiled functions are checked here on the CPU against the eager ones,
@@ -428,6 +432,7 @@ def layer_args(drafter, head, context, block_ids, anchors) -> tuple:
     return drafter.layers[0], x, hidden, (cos_b[:, None], sin_b[:, None]), rope_context, mask, anchors, BLOCK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 def test_compiled_layer_computes_what_the_eager_layer_does(architecture, head, batch):
     """Flex training on the GPU runs each decoder layer as one compiled region (trainer.drafter.run_layer). CI has no
@@ -441,6 +446,7 @@ def test_compiled_layer_computes_what_the_eager_layer_does(architecture, head, b
         torch.testing.assert_close(compiled(run_layer)(*args), run_layer(*args), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_compiled_regions_compile_once_for_a_runs_changing_rows_and_lengths(head):
     """A run's micro-batches change their rows and context length (and with it the key tiles) from one to the next;
     marked dynamic up front, the layer region, the norm and the loss chunk each compile once (Dynamo alone compiles

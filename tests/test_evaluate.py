@@ -46,6 +46,7 @@ def test_accept_length():
     assert accept_length([], [4]) == 0
 
 
+@pytest.mark.slow
 def test_untrained_drafter_is_lossless_on_hybrid_target(qwen35, tiny_qwen35):
     assert qwen35.model.layers[0].linear_attn is not None  # really the hybrid (linear-attention) target
     drafter = make_drafter(tiny_qwen35, block_size=8).eval()
@@ -85,6 +86,7 @@ def overfit(drafter: DFlashDrafter, head, target, examples: list[tuple[list[int]
     return drafter.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
 def test_partly_accepted_drafts_stay_lossless(arch, tiny_qwen35, tmp_path):
     """Accepted, partly accepted and rejected blocks, through both cache rollbacks (replay: hybrid; crop: Llama)."""
@@ -100,6 +102,7 @@ def test_partly_accepted_drafts_stay_lossless(arch, tiny_qwen35, tmp_path):
     assert result.tau == sum(result.committed) / len(result.committed)
 
 
+@pytest.mark.slow
 def test_evaluate_prompts_reports_tau_and_lossless(qwen35, tiny_qwen35, tmp_path):
     exported = export_drafter(make_drafter(tiny_qwen35, block_size=4), tmp_path / "drafter")
     prompts_file = tmp_path / "prompts.jsonl"
@@ -119,6 +122,7 @@ def test_evaluate_prompts_reports_tau_and_lossless(qwen35, tiny_qwen35, tmp_path
     assert [e["text"] for e in partial["prompts"]] == [e["text"] for e in report["prompts"]]
 
 
+@pytest.mark.slow
 def test_eval_command_shows_progress_then_the_table(tiny_qwen35, tmp_path):
     from click.testing import CliRunner
 
@@ -136,6 +140,7 @@ def test_eval_command_shows_progress_then_the_table(tiny_qwen35, tmp_path):
     assert quiet.exit_code == 0 and "prompts" not in quiet.stderr and len(json.loads(quiet.stdout)["prompts"]) == 3
 
 
+@pytest.mark.slow
 def test_an_output_that_leaves_greedy_decoding_reports_where_and_by_what_margin(tiny_qwen35, tmp_path, monkeypatch):
     """A speculative output that differs from plain greedy decoding is not lossless; at the first difference the
     report gives the target's logit gap between greedy's pick and the speculative one (near zero: a rounding tie)."""

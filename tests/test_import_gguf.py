@@ -202,6 +202,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 LOGIT_TOLERANCE = 0.05
 
 
+@pytest.mark.slow
 def test_llama_gguf_with_the_qwen3_tokenizer_imports_as_the_original(qwen_tokenizer, tmp_path):
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -259,6 +260,7 @@ def smollm2(tmp_path_factory) -> tuple[Path, Path]:
     return path, out
 
 
+@pytest.mark.slow
 def test_smollm2_config_tokenizer_and_chat_template(smollm2):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -285,6 +287,7 @@ def test_smollm2_config_tokenizer_and_chat_template(smollm2):
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers_gguf_loader(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -328,6 +331,7 @@ def _refused(path, out) -> str:
     return message
 
 
+@pytest.mark.slow
 def test_refused_inputs_name_what_to_fix(smollm2, tmp_path):
     missing = tmp_path / "nothing.gguf"
     assert "there is no GGUF file at" in _refused(missing, tmp_path / "a")

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from dflashq import settings as S
@@ -40,6 +42,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(1000, 100000, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_pipeline_learns_a_drafter_that_speeds_up_decoding(tmp_path, redis_url):
     model_dir = make_learnable(write_tiny_model(str(tmp_path / "target"), "qwen3_5"))
     target = load_target(model_dir)

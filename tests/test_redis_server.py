@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,6 +16,7 @@ def dflashq(*args, env=None):
     return subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_start_reuse_stop(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     store = ["--store", str(tmp_path), "--run", "emb"]
@@ -67,3 +69,34 @@ def test_outage_watch_and_the_client_ride_through_a_restart(tmp_path, capfd):
             raise AssertionError("a Redis down for longer than outage_seconds must raise")
     finally:
         server.stop()
+
+
+def test_stopped_at_end_stops_the_embedded_redis_however_the_block_ends_and_leaves_the_users_alone(tmp_path, redis_url):
+    """What the demo and benchmarks/quality.py wrap their work in: the run's embedded Redis, started inside, is
+    stopped when the block ends, also on an exception (Ctrl-C included); a later command starts it again from its AOF.
+    A Redis the user named (REDIS_URL) stays up."""
+    from dflashq import settings as S
+    from ops.redis_server import EmbeddedRedis, resolve_url, stopped_at_end
+
+    settings = S.load(None, [("run", "emb"), ("store.path", str(tmp_path))], environ={})
+    server = EmbeddedRedis(settings.run_dir)
+    for raised in (None, KeyboardInterrupt):
+        try:
+            with stopped_at_end(settings):
+                settings.redis.url = resolve_url(settings)  # as open_run does: the embedded server started here
+                redis.Redis.from_url(settings.redis.url).incr("k")
+                if raised:
+                    raise raised
+        except KeyboardInterrupt:
+            pass
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(server.url(), socket_connect_timeout=1).ping()
+        settings.redis.url = ""
+    try:
+        assert redis.Redis.from_url(server.ensure()).get("k") == b"2"  # back from its AOF
+    finally:
+        server.stop()
+    users = S.load(None, [("run", "emb"), ("store.path", str(tmp_path))], environ={"REDIS_URL": redis_url})
+    with stopped_at_end(users):
+        pass
+    assert redis.Redis.from_url(redis_url).ping()

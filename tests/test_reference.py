@@ -45,6 +45,7 @@ DFLASH2 = {"architecture": "dflash2", "selector_rank": 16, "selector_top_k": 16}
 REFERENCE_MODEL = {"dflash": reference.DFlashDraftModel, "dflash2": reference.DFlash2DraftModel}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 def test_eval_tau_and_text_equal_the_reference_generate_loop(architecture, tmp_path, monkeypatch):
     """DFlash2: both loops draft with the candidate selector's chain (greedy)."""

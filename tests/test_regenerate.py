@@ -108,6 +108,7 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
 
 
 # --- the transformers engine --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_killed_run_resumes_without_losing_or_doubling_a_record(tmp_path, tiny_qwen35, target):
     good = []
     for i in range(16):
@@ -169,6 +170,7 @@ def test_killed_run_resumes_without_losing_or_doubling_a_record(tmp_path, tiny_q
     assert read_jsonl(tmp_path / "out" / "regenerated.failed.jsonl") == []
 
 
+@pytest.mark.slow
 def test_engine_processes_answer_as_one_engine_does(tmp_path, tiny_qwen35, target):
     """`--processes 2`: two engine processes share the device; the output is the same target's greedy turns, one
     line per record, and a killed engine process ends the run with one sentence, keeping the records done."""
@@ -199,6 +201,7 @@ def test_engine_processes_answer_as_one_engine_does(tmp_path, tiny_qwen35, targe
         engine.close()
 
 
+@pytest.mark.slow
 def test_left_padded_batches_equal_unbatched_greedy_for_every_input_format(tmp_path, tiny_qwen35, target):
     jsonl = tmp_path / "a.jsonl"
     tools = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
@@ -243,6 +246,7 @@ def test_left_padded_batches_equal_unbatched_greedy_for_every_input_format(tmp_p
     assert [m["content"] for m in written[3]["messages"] if m["role"] == "user"] == ["Name a color", "Another one"]
 
 
+@pytest.mark.slow
 def test_a_long_chat_shares_engine_calls_with_the_records_after_it(tmp_path, tiny_qwen35, target):
     # rows of 1 and BATCHES_PER_CALL (4) histories per call: a 4-turn chat and five 1-turn ones make 9 turns
     settings = S.load(None, [("model.path", tiny_qwen35), ("regenerate.max_new_tokens", MAX_NEW),
@@ -263,6 +267,7 @@ def test_a_long_chat_shares_engine_calls_with_the_records_after_it(tmp_path, tin
         assert written[f"{data}:{number}"]["messages"] == target.regenerated(record)
 
 
+@pytest.mark.slow
 def test_a_batch_out_of_memory_is_split_and_answers_the_same(tiny_qwen35, target):
     import torch
 
@@ -339,6 +344,7 @@ def test_decode_batches_keep_short_prompts_off_a_long_ones_padding():
     assert len(decode_batches.plan([64] * 2500, 256, 10**9, 1024, 200_000)) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_static_decoder_decodes_as_generate_does(tmp_path, arch, monkeypatch):
     """The static-cache decoder (its eager step, which a GPU replays as a CUDA graph) gives each left-padded row of
@@ -365,6 +371,7 @@ def test_static_decoder_decodes_as_generate_does(tmp_path, arch, monkeypatch):
     assert StaticDecoder(model, new, {eos}, pad_id=0).decode(rows) == decoded
 
 
+@pytest.mark.slow
 def test_static_decoder_in_the_engine(tmp_path, tiny_qwen35):
     """regenerate.decoder = "static" answers every history with the target's own greedy turn, in order; a hybrid
     target or a sampling temperature, which it cannot decode, is refused in one sentence naming the setting."""
@@ -506,6 +513,7 @@ def chat_server(target):
     assert server.errors == []
 
 
+@pytest.mark.slow
 def test_endpoint_retries_until_complete_and_records_what_keeps_failing(tmp_path, target, chat_server):
     records = [chat(f"plain question {i}", "old", id=f"p{i}") for i in range(5)]
     records += [chat(f"{name} please", "old", id=name) for name in ("inject-500", "inject-429", "inject-slow", "inject-malformed")]
@@ -545,6 +553,7 @@ def test_endpoint_retries_until_complete_and_records_what_keeps_failing(tmp_path
 
 
 # --- settings and user errors -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_settings_reach_the_endpoint(tmp_path, chat_server):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(chat("Hello", "old")) + "\n")
@@ -597,6 +606,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["data.jsonl", "--out", "o.jsonl", "--set", "regenerate.concurrency=0"], "regenerate.concurrency must be at least 1"),
     (["data.jsonl", "--out", "o.jsonl", "--set", "regenerate.retries=0", "--endpoint", f"http://127.0.0.1:{free_port()}"],

@@ -92,6 +92,7 @@ def test_a_run_refuses_a_second_codec_also_when_started_before_codecs(conn, tmp_
         S.load(None, [("store.codec", "int4")], environ={})
 
 
+@pytest.mark.slow
 def test_cli_reports_config_errors_without_traceback(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text("[data]\nmax_length = 'long'\n")

@@ -81,6 +81,7 @@ def assert_backlog_drained(run):
     assert conn.xpending(keys.results, TRAINER_GROUP)["pending"] == 0
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_restart_trains_every_chunk_exactly_once(tmp_path, redis_url, tiny_qwen35):
     settings = make_settings(tmp_path, redis_url, tiny_qwen35)
     run, report = produce_and_extract(settings)
@@ -112,6 +113,7 @@ def test_sigkill_mid_run_then_restart_trains_every_chunk_exactly_once(tmp_path, 
     assert all(len(r["acc"]) == settings.train.block_size - 1 and r["eal"] >= 1 for r in log if "step" in r and "acc" in r)
 
 
+@pytest.mark.slow
 def test_crash_between_checkpoint_and_ack_skips_duplicates(tmp_path, redis_url, tiny_qwen35):
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.checkpoint_every_steps": 1000})
     run, report = produce_and_extract(settings)
@@ -129,6 +131,7 @@ def test_crash_between_checkpoint_and_ack_skips_duplicates(tmp_path, redis_url, 
     assert_backlog_drained(run)
 
 
+@pytest.mark.slow
 def test_retention_keep_reads_later_epochs_from_the_store(tmp_path, redis_url, tiny_qwen35):
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"store.retention": "keep", "train.epochs": 2})
     run, report = produce_and_extract(settings)  # retention keep: the producer admits one epoch only
@@ -143,6 +146,7 @@ def test_retention_keep_reads_later_epochs_from_the_store(tmp_path, redis_url, t
     assert_backlog_drained(run)
 
 
+@pytest.mark.slow
 def test_retention_keep_reads_the_blobs_of_later_steps_ahead_and_leaves_none_unread(tmp_path, redis_url, tiny_qwen35):
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"store.retention": "keep", "train.epochs": 2})
     run, report = produce_and_extract(settings)
@@ -158,6 +162,7 @@ def test_retention_keep_reads_the_blobs_of_later_steps_ahead_and_leaves_none_unr
     assert not trainer.prefetch.pending  # every blob read ahead was trained
 
 
+@pytest.mark.slow
 def test_fp8_blobs_train_like_bf16_blobs_in_about_half_the_bytes(tmp_path, redis_url, tiny_qwen35):
     results = {}
     for codec in ("bf16", "fp8"):
@@ -174,6 +179,7 @@ def test_fp8_blobs_train_like_bf16_blobs_in_about_half_the_bytes(tmp_path, redis
     assert abs(fp8_loss - bf16_loss) <= 0.02 * bf16_loss and abs(fp8_eal - bf16_eal) <= 0.02 * bf16_eal, results
 
 
+@pytest.mark.slow
 def test_retention_delete_re_extracts_each_epoch(tmp_path, redis_url, tiny_qwen35):
     settings = make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.epochs": 2})
     run, report = produce_and_extract(settings, conversations=24, epochs=2)
@@ -184,6 +190,7 @@ def test_retention_delete_re_extracts_each_epoch(tmp_path, redis_url, tiny_qwen3
     assert_backlog_drained(run)
 
 
+@pytest.mark.slow
 def test_slow_trainer_keeps_the_store_within_its_byte_budget(tmp_path, redis_url, tiny_qwen35):
     """Producer, two workers and a deliberately slow trainer run together; the store never exceeds its budget."""
     probe = make_settings(tmp_path / "probe", redis_url, tiny_qwen35, run="probe")
@@ -267,6 +274,7 @@ def test_drafter_shape_comes_from_train_settings_and_must_match_the_checkpoint(t
         make_settings(tmp_path, redis_url, tiny_qwen35, **{"train.attention": "dense"})
 
 
+@pytest.mark.slow
 def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(tmp_path, redis_url, tiny_qwen35):
     """A producer still reading a large dataset has not counted epoch 0: the horizon is unknown, and the rate must
     warm up and hold rather than decay to zero after one step (found in a GPU run: lr 0 from step 2 on); once the
@@ -297,6 +305,7 @@ def test_learning_rate_holds_its_peak_until_the_producer_has_counted_the_epoch(t
     assert all(-0.01 < gap < 0.5 for gap in gaps), gaps
 
 
+@pytest.mark.slow
 def test_learning_rate_follows_the_producers_estimate_before_the_count(tmp_path, redis_url, tiny_qwen35):
     """An input whose record count is known (JSONL): the producer's running estimate of epoch 0 sets the horizon
     from the first step, so the rate warms up over warmup_ratio of the run and decays along one cosine, with no jump
@@ -316,6 +325,7 @@ def test_learning_rate_follows_the_producers_estimate_before_the_count(tmp_path,
     assert lrs == pytest.approx([settings.train.learning_rate * cosine(step) for step in range(report.admitted)])
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_one_sentence_and_loses_nothing(tmp_path, redis_url, tiny_qwen35, monkeypatch):
     """A micro-batch that does not fit ends the trainer with the settings to lower; what it had not checkpointed is
     trained by the next start, every chunk once."""
@@ -343,6 +353,7 @@ def test_out_of_memory_is_one_sentence_and_loses_nothing(tmp_path, redis_url, ti
     assert_backlog_drained(run)
 
 
+@pytest.mark.slow
 def test_the_next_steps_blobs_are_read_while_a_step_trains(tmp_path, redis_url, tiny_qwen35, monkeypatch):
     """Reading a blob (file, zstd) overlaps the step before it: with every read and every step slowed, only the first
     step waits for its blob; every chunk is still trained once."""

@@ -68,6 +68,7 @@ def wait_busy(conn, name, proc, timeout=120):
     wait_until(lambda: conn.hget(f"rq:worker:{name}", "current_job"), proc, "worker never busy", timeout, 0.02)
 
 
+@pytest.mark.slow
 def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_path, redis_url, tiny_qwen35):
     from producers.sample_data import write_sample_data
 
@@ -113,6 +114,7 @@ def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_pat
     assert "exported drafter" in out and "done" in out
 
 
+@pytest.mark.slow
 def test_pause_resume_drain_and_requeue_failed(tmp_path, redis_url, tiny_qwen35):
     settings = make_settings(tmp_path, redis_url, tiny_qwen35)
     args = ["--run", "t", "--redis-url", redis_url, "--store", settings.store.path, "--model", tiny_qwen35,
@@ -127,7 +129,8 @@ def test_pause_resume_drain_and_requeue_failed(tmp_path, redis_url, tiny_qwen35)
     worker = subprocess.Popen([sys.executable, "-m", "ops.cli", "worker", "--device", "cpu", *args], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        time.sleep(8)  # paused: the chunk stays queued
+        # paused: the worker, up and asking for work, waits and leaves the chunk queued
+        wait_until(lambda: conn.hget(f"rq:worker:{HOST}.cpu0", "state") == b"suspended", worker, "never waited", 600)
         assert Queue(keys.shared_queue, connection=conn).count == 1
         assert cli("resume", *args).returncode == 0
         failed = FailedJobRegistry(queue=Queue(keys.shared_queue, connection=conn))
@@ -155,6 +158,7 @@ def test_pause_resume_drain_and_requeue_failed(tmp_path, redis_url, tiny_qwen35)
     assert again.admitted == 0
 
 
+@pytest.mark.slow
 def test_restart_worker_cli_asks_a_known_worker_and_names_an_unknown_one(tmp_path, conn, redis_url):
     from rq import Worker
 
@@ -188,6 +192,7 @@ def test_status_flags_a_worker_whose_heartbeat_is_late(tmp_path, conn, redis_url
     assert flags == {"node.gpu0": False, "node.gpu1": True}
 
 
+@pytest.mark.slow
 def test_up_stops_on_a_repeated_user_error_with_the_childs_sentence(tmp_path, redis_url, tiny_qwen35):
     from producers.sample_data import write_sample_data
 
@@ -210,6 +215,7 @@ def test_children_keep_the_users_pythonpath():
     assert child_environment({})["PYTHONPATH"] == str(ROOT)
 
 
+@pytest.mark.slow
 def test_up_rides_through_a_killed_embedded_redis(tmp_path, tiny_qwen35):
     """The embedded redis-server SIGKILLed mid-run (two CPU workers and the trainer busy): every command of the run
     rides the outage through, the server is started again from its AOF on its old port, and the run finishes with
@@ -247,6 +253,7 @@ def test_up_rides_through_a_killed_embedded_redis(tmp_path, tiny_qwen35):
         server.stop()
 
 
+@pytest.mark.slow
 def test_up_gives_up_past_outage_seconds_and_a_rerun_finishes_the_run(tmp_path, redis_server, redis_url, tiny_qwen35):
     """A Redis of the user's own (no healing) stopped for longer than redis.outage_seconds: `up` ends with the one
     sentence (exit 2); once Redis is back, running `up` again finishes the run with every chunk trained exactly
@@ -280,6 +287,7 @@ def test_up_gives_up_past_outage_seconds_and_a_rerun_finishes_the_run(tmp_path, 
     assert sorted(state["train_state"]["consumed"]["0"]) == sorted(chunks)
 
 
+@pytest.mark.slow
 def test_up_stopped_by_a_signal_says_stopped_exports_nothing_and_a_rerun_finishes(tmp_path, redis_url, tiny_qwen35):
     """SIGTERM (what Ctrl-C does too) mid-training: the trainer checkpoints and exits 0, and `up` must still report
     the run as stopped (exit 130, no drafter exported as if it were final); `up` again trains the rest and exports."""
@@ -310,6 +318,7 @@ def test_up_stopped_by_a_signal_says_stopped_exports_nothing_and_a_rerun_finishe
     assert all(len(state["train_state"]["consumed"][str(e)]) == conn.scard(keys.admitted(0)) for e in range(3))
 
 
+@pytest.mark.slow
 def test_up_splits_the_gpus_between_workers_and_trainer_ranks(tmp_path, conn, redis_url):
     from dflashq import settings as S
     from dflashq.exceptions import ConfigError

@@ -18,6 +18,7 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["bf16", "fp8"])
 def test_inspect_and_verify(tmp_path, redis_url, tiny_qwen35, codec):
     settings = settings_for(tmp_path, redis_url, tiny_qwen35, **{"store.codec": codec})

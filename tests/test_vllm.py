@@ -189,6 +189,7 @@ def test_vllm_engine_keeps_the_regenerate_contract(tmp_path, tiny_qwen35):
 
 
 # --- without vLLM -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_without_vllm_both_commands_name_the_extra(tmp_path, tiny_qwen35):
     prompts = tmp_path / "prompts.jsonl"
