@@ -72,8 +72,9 @@ def wait_busy(conn, name, proc, timeout=120):
 def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_path, redis_url, tiny_qwen35):
     from producers.sample_data import write_sample_data
 
-    # long samples: chunks that take a while, so restarts land mid-chunk
-    write_sample_data(tmp_path / "data.jsonl", n=160)
+    # long samples: chunks that take a while, so restarts land mid-chunk; enough of them that the run is still
+    # going after a few restarts that fell between chunks
+    write_sample_data(tmp_path / "data.jsonl", n=320)
     config = write_config(tmp_path, redis_url, tiny_qwen35)
     conn = redis.Redis.from_url(redis_url)
     keys = Keys("up")
@@ -86,7 +87,7 @@ def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_pat
         # A chunk may end between seeing the worker busy and the worker reading the request (its heartbeat does):
         # then it rightly gives nothing back, so ask again, a few times, until one restart lands mid-chunk.
         log = Path(tmp_path / "store" / "up" / "logs" / f"{HOST}.cpu1.log")
-        for attempt in range(1, 4):
+        for attempt in range(1, 6):
             wait_busy(conn, f"{HOST}.cpu1", up)
             control.restart_worker(Run.open(load_settings(config), join=False), f"{HOST}.cpu1", now=True)
             deadline = time.monotonic() + 60
