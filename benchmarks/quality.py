@@ -207,13 +207,18 @@ def phase_regenerate(work: Path, args, settings) -> dict:
 def regenerate_in_child(work: Path, args, engine: str, source: Path, out: Path) -> dict:
     """`regenerate` with `engine` in a process of its own (engine_child), which frees the GPU for the next phase by
     ending; its report as a dict."""
-    report = work / f"regenerate-{engine}-{out.stem}.json"
+    report = engine_report(work, engine, out)
     argv = [a for a in sys.argv[1:] if not a.startswith("--engine-child")]
     done = subprocess.run([sys.executable, __file__, *argv, "--engine-child", json.dumps([engine, str(source), str(out), str(report)])],
                           cwd=ROOT)
     if done.returncode != 0:
         sys.exit(f"regenerate with the {engine} engine failed; run again (the records written are kept in {out})")
     return json.loads(report.read_text())
+
+
+def engine_report(work: Path, engine: str, out: Path) -> Path:
+    """Where engine_child writes its report: phase_engines reuses an engine's measurement by finding it here."""
+    return work / f"regenerate-{engine}-{out.stem}.json"
 
 
 def engine_child(work: Path, args, settings) -> None:
@@ -253,7 +258,7 @@ def phase_engines(work: Path, args, settings) -> dict:
     results, outputs = {}, {}
     for name in args.engines.split(","):
         outputs[name] = work / f"engines-{name}.jsonl"
-        report = work / f"regenerate-{name}-{outputs[name].stem}.json"
+        report = engine_report(work, name, outputs[name])
         if report.exists() and outputs[name].exists():
             results[name] = json.loads(report.read_text())
             continue
