@@ -223,18 +223,12 @@ def engine_report(work: Path, engine: str, out: Path) -> Path:
 
 def engine_child(work: Path, args, settings) -> None:
     """One regeneration through the real `regenerate` loop with the named engine (load time and loop time apart)."""
+    from producers.engines import open_engine
     from producers.regenerate import regenerate
 
     name, source, out, report_file = json.loads(args.engine_child)
     started = time.perf_counter()
-    if name == "vllm":
-        from producers.vllm_engine import VllmEngine
-
-        engine = VllmEngine(settings, args.device)
-    else:
-        from producers.engine_processes import local_engine
-
-        engine = local_engine(settings, args.device)
+    engine = open_engine(settings, name, args.device)
     loaded = time.perf_counter()
     with engine:  # leaving it frees the device
         report = regenerate(settings, [source], out, engine, progress=True)

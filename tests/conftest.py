@@ -21,6 +21,10 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# pytest-xdist runs one test process per core: torch's default of one thread per core in each of them (and in every
+# process a test starts, which inherits this) would put several busy threads on each core
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from ops.redis_server import EmbeddedRedis  # noqa: E402
 

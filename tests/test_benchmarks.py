@@ -91,7 +91,9 @@ def test_train_benchmark_steps():
     report, _ = bench("train.py", "--tiny", "--steps", "2", "--warmup-steps", "1")
     assert report["last_loss"] > 0 and math.isfinite(report["last_loss"])
     # both rates over the timed steps only (the warm-up step, which compiles on a GPU, left out)
-    assert report["tokens_per_s"] == pytest.approx(report["seq_len"] * report["samples_per_s"], rel=1e-3)
+    # each rate is rounded in the report (tokens/s to 0.1, samples/s to 0.001): compare within that rounding
+    rounding = 0.05 + report["seq_len"] * 0.0005
+    assert report["tokens_per_s"] == pytest.approx(report["seq_len"] * report["samples_per_s"], abs=rounding)
     assert report["cpu"]["model"] and report["cpu"]["cores"] >= 1 and not report["automatic_dynamic"]
     # on the CPU no region is compiled (trainer.fused: GPU training only), with or without the marking
     assert report["graphs_compiled"] == 0

@@ -163,6 +163,7 @@ def test_ranks_train_the_selector_as_one_rank_does(parallel_mode, tmp_path):
     assert gradients["candidate_selector.successor_codebook.weight"].abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_the_selectors_chain_is_accepted_at_least_as_much_as_independent_argmaxes(tmp_path):
     """Point 2's measurement on a tiny learnable target (workers.tiny_model.make_learnable: after token x the Llama
     target emits x again): a DFlash2 drafter trained briefly (its slots are not all right yet, so the chain has
@@ -178,9 +179,11 @@ def test_the_selectors_chain_is_accepted_at_least_as_much_as_independent_argmaxe
     model_dir = make_learnable(write_tiny_model(str(tmp_path / "target"), "llama"))
     target = load_target(model_dir)
     head = target_head(target)
-    train = prompts(16, seed=0)
+    # the 8 prompts whose last tokens end the held-out ones; at fewer steps the selector has seen too few rows whose
+    # true token is a candidate, and which of the two chains wins depends on the machine's float rounding
+    train = prompts(8, seed=0)
     drafter = overfit(drafter_for(model_dir, block_size=8, **{"architecture": "dflash2", "selector_rank": 16}), head,
-                      target, [(ids, greedy_generate(target, ids, 12, set())) for ids in train], steps=6)
+                      target, [(ids, greedy_generate(target, ids, 12, set())) for ids in train], steps=14)
     held_out = [body + [train[i][-1]] for i, body in enumerate(prompts(8, seed=1))]
     references = [greedy_generate(target, ids, 16, set()) for ids in held_out]
 

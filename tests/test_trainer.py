@@ -120,7 +120,7 @@ def test_crash_between_checkpoint_and_ack_skips_duplicates(tmp_path, redis_url, 
     first = Trainer(run, "cpu", progress=False)
     first.run_until_done(max_steps=3)  # stops with a final checkpoint and ack
     trained_before = list(first.state.consumed[0])
-    first._ack = lambda entries: None  # two more steps and their checkpoint, then a "crash" before the ack
+    first.chunks.ack = lambda entries: None  # two more steps and their checkpoint, then a "crash" before the ack
     first.run_until_done(max_steps=2)
     del first  # never acknowledged: those two entries stay pending for this consumer
     second = Trainer(Run.open(settings), "cpu", progress=False)

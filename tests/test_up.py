@@ -75,7 +75,8 @@ def test_up_runs_the_pipeline_and_survives_warm_and_cold_worker_restarts(tmp_pat
     # long samples: chunks that take a while, so restarts land mid-chunk; enough of them that the run is still
     # going after a few restarts that fell between chunks
     write_sample_data(tmp_path / "data.jsonl", n=320)
-    config = write_config(tmp_path, redis_url, tiny_qwen35)
+    # a worker reads a --now request on its in-chunk heartbeat: beat often, so every chunk has several
+    config = write_config(tmp_path, redis_url, tiny_qwen35, **{"workers.heartbeat_seconds": 0.1})
     conn = redis.Redis.from_url(redis_url)
     keys = Keys("up")
     up = start_up(config, 2)

@@ -23,7 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflashq.exceptions import ConfigError
+from trainer import parallel
 from trainer.drafter import DFLASH2_FIELDS, DFlashDrafter, DrafterConfig
+from trainer.ranks import Ranks
 
 KEEP = 2  # complete checkpoints kept on disk
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig) if f.default is not dataclasses.MISSING}
@@ -178,3 +180,34 @@ def read(checkpoint: str | Path) -> Saved:
                        {int(k): v for k, v in raw["duplicates_skipped"].items()}, raw["tokens"])
     return Saved(checkpoint, meta["drafter_config"], state, meta["scheduler"], rng, weights,
                  {"state": optimizer, "param_groups": groups})
+
+
+def restore_group(root: str | Path, ranks: Ranks, model, config: DrafterConfig, optimizer, scheduler,
+                  device: torch.device) -> tuple[TrainState, Path | None]:
+    """Load the latest checkpoint into the (wrapped) model, optimizer and scheduler of every rank: rank 0 alone reads
+    it (the others may not see its folder) and broadcasts. Returns its state and folder (fresh state, None without)."""
+    saved = None
+    if ranks.leader:
+        found = latest(root)
+        saved = read(found) if found is not None else None
+    # the small part to every rank; the tensors go through torch.distributed.checkpoint's broadcast
+    meta = ranks.from_leader(dataclasses.replace(saved, weights={}, optimizer={}) if saved else None)
+    if meta is None:
+        return TrainState(), None
+    meta.check_config(config)
+    parallel.load_full_state(model, optimizer, ranks, saved.weights if saved else {}, saved.optimizer if saved else {})
+    scheduler.load_state_dict(meta.scheduler)
+    set_rng_state(meta.rng.get(ranks.rank, {}), device)  # a new rank keeps its fresh one
+    return meta.state, meta.path
+
+
+def save_group(root: str | Path, ranks: Ranks, model, config: DrafterConfig, optimizer, scheduler, state: TrainState,
+               device: torch.device) -> str:
+    """Write the group's checkpoint: collective (every rank calls it), rank 0 writes, and every rank returns once the
+    checkpoint exists, so that no rank acknowledges an entry before the checkpoint holding it."""
+    weights, optimizer_state = parallel.full_state(model, optimizer)
+    rng = ranks.gather(rng_state(device))
+    if ranks.leader:
+        save(root, config, weights, optimizer_state, scheduler.state_dict(), state, rng)
+    ranks.barrier()
+    return str(path_of(root, state.step))

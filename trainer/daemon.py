@@ -140,7 +140,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), s.learning_rate, s.weight_decay,
                                                          self.schedule)
         self.ckpt_root = run.store.path("checkpoints")
-        self.state, found = self._restore()
+        self.state, found = checkpoint.restore_group(self.ckpt_root, self.ranks, self.model, self.drafter.config,
+                                                     self.optimizer, self.scheduler, self.device)
         self.prefetch = Prefetcher(run.store, defaults.READ_AHEAD_THREADS, pinned=self.device.type == "cuda")
         self.chunks = ChunkSource(run, self.ranks, self.prefetch)
         self.checkpoints = CheckpointPolicy(run, self.state)
@@ -153,24 +154,6 @@ class Trainer:
         if found is not None:
             self.status.log({"event": "resumed", "step": self.state.step, "checkpoint": str(found),
                              "ranks": self.ranks.world_size})
-
-    def _restore(self) -> tuple[checkpoint.TrainState, Path | None]:
-        """Load the latest checkpoint, read by rank 0 alone (the other ranks may not see its folder) and broadcast;
-        returns its state and folder (a fresh state and None without one)."""
-        saved = None
-        if self.ranks.leader:
-            found = checkpoint.latest(self.ckpt_root)
-            saved = checkpoint.read(found) if found is not None else None
-        # the small part to every rank; the tensors go through torch.distributed.checkpoint's broadcast
-        meta = self.ranks.from_leader(dataclasses.replace(saved, weights={}, optimizer={}) if saved else None)
-        if meta is None:
-            return checkpoint.TrainState(), None
-        meta.check_config(self.drafter.config)
-        parallel.load_full_state(self.model, self.optimizer, self.ranks, saved.weights if saved else {},
-                                 saved.optimizer if saved else {})
-        self.scheduler.load_state_dict(meta.scheduler)
-        checkpoint.set_rng_state(meta.rng.get(self.ranks.rank, {}), self.device)  # a new rank keeps its fresh one
-        return meta.state, meta.path
 
     @property
     def finished(self) -> bool:
@@ -283,25 +266,12 @@ class Trainer:
                             **extra)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def save_checkpoint(self) -> str:
-        """Write the group's checkpoint: collective (every rank calls it), rank 0 writes, and every rank returns
-        once the checkpoint exists."""
-        weights, optimizer = parallel.full_state(self.model, self.optimizer)
-        rng = self.ranks.gather(checkpoint.rng_state(self.device))
-        if self.ranks.leader:
-            checkpoint.save(self.ckpt_root, self.drafter.config, weights, optimizer, self.scheduler.state_dict(),
-                            self.state, rng)
-        self.ranks.barrier()  # no rank acknowledges an entry before the checkpoint holding it exists
-        return str(checkpoint.path_of(self.ckpt_root, self.state.step))
-
     def checkpoint_and_ack(self) -> None:
-        self.last_checkpoint_path = self.save_checkpoint()
-        self._ack(self.chunks.settle())
+        self.last_checkpoint_path = checkpoint.save_group(self.ckpt_root, self.ranks, self.model, self.drafter.config,
+                                                          self.optimizer, self.scheduler, self.state, self.device)
+        self.chunks.ack(self.chunks.settle())  # only once the checkpoint holding them exists on every rank
         self.unacked_everywhere = 0  # every rank acknowledges with it
         self.checkpoints.saved(self.state)
-
-    def _ack(self, entries: list[Entry]) -> None:
-        self.chunks.ack(entries)
 
     def run_until_done(self, max_steps: int | None = None) -> TrainReport:
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -41,19 +41,9 @@ def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency
         from dflashq.vllm_target import require_vllm
 
         require_vllm()
-    from producers.engine_processes import local_engine
-    from producers.engines import EndpointEngine
+    from producers.engines import open_engine
 
-    if endpoint:
-        engine = EndpointEngine(endpoint, settings.regenerate)
-    elif engine_name == "vllm":
-        from producers.vllm_engine import VllmEngine
-
-        engine = VllmEngine(settings, device or "cuda:0")
-    else:
-        import torch
-
-        engine = local_engine(settings, device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    engine = open_engine(settings, engine_name, device, endpoint)
     with engine:
         report = run_regenerate(settings, list(inputs), out, engine, progress=not no_progress)
     table = Table(title=f"regenerated into {out}", show_header=False)
