@@ -223,8 +223,7 @@ def engine_report(work: Path, engine: str, out: Path) -> Path:
 
 def engine_child(work: Path, args, settings) -> None:
     """One regeneration through the real `regenerate` loop with the named engine (load time and loop time apart)."""
-    from producers.engines import open_engine
-    from producers.regenerate import regenerate
+    from producers.regenerate import open_engine, regenerate
 
     name, source, out, report_file = json.loads(args.engine_child)
     started = time.perf_counter()

@@ -327,20 +327,3 @@ def _parse_completion(body) -> Reply:
     return Reply(content, reasoning, calls, tokens=int(usage.get("completion_tokens") or 0),
                  truncated=choice.get("finish_reason") == "length")
 
-
-ENGINES = ("endpoint", "transformers", "vllm")
-
-
-def open_engine(settings: Settings, name: str, device: str | None = None, endpoint: str | None = None) -> Engine:
-    """The engine `name` (one of ENGINES), a context manager that frees what it holds: `regenerate` and the quality
-    benchmark choose through this one place. `device` defaults to cuda:0 where a GPU is visible, else the CPU."""
-    if name == "endpoint":
-        return EndpointEngine(endpoint, settings.regenerate)
-    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    if name == "vllm":
-        from producers.vllm_engine import VllmEngine  # imports vLLM: only when asked for
-
-        return VllmEngine(settings, device)
-    from producers.engine_processes import local_engine  # spawns processes: engine_processes imports this module
-
-    return local_engine(settings, device)

@@ -267,3 +267,22 @@ def _progress(enabled: bool) -> Progress:
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
         TimeElapsedColumn(), TextColumn("{task.fields[speed]}"), disable=not enabled, transient=False,
     )
+
+
+def open_engine(settings: Settings, name: str, device: str | None = None, endpoint: str | None = None) -> Engine:
+    """The engine `name` (endpoint, transformers or vllm), a context manager that frees what it holds: `dflashq regenerate` and the
+    quality benchmark choose through this one place. `device`: cuda:0 where a GPU is visible, else the CPU."""
+    import torch  # the engines bring torch; checking the paths first (resolve_inputs) does not need it
+
+    from producers.engines import EndpointEngine
+
+    if name == "endpoint":
+        return EndpointEngine(endpoint, settings.regenerate)
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if name == "vllm":
+        from producers.vllm_engine import VllmEngine  # imports vLLM: only when asked for
+
+        return VllmEngine(settings, device)
+    from producers.engine_processes import local_engine
+
+    return local_engine(settings, device)

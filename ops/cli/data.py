@@ -26,8 +26,8 @@ from ops.redis_server import open_run
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs, CI).")
 def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency, processes, no_progress):
     """Replace the assistant turns of conversations with the target's own responses (run it before `produce`)."""
+    from producers.regenerate import open_engine, resolve_inputs
     from producers.regenerate import regenerate as run_regenerate
-    from producers.regenerate import resolve_inputs
 
     engine_name = engine_name or ("endpoint" if endpoint else "transformers")
     if (engine_name == "endpoint") != bool(endpoint):
@@ -41,8 +41,6 @@ def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency
         from dflashq.vllm_target import require_vllm
 
         require_vllm()
-    from producers.engines import open_engine
-
     engine = open_engine(settings, engine_name, device, endpoint)
     with engine:
         report = run_regenerate(settings, list(inputs), out, engine, progress=not no_progress)
