@@ -357,6 +357,8 @@ def phase_eval(work: Path, args, settings) -> dict:
     """Both loops on every prompt, in `--eval-processes` processes sharing the device: at batch size 1 a small target
     leaves the GPU mostly idle between kernel launches, so shards overlap. Prompts go to shards by eval_shards; each
     shard writes a line per prompt as it finishes, so a rerun goes on from the last prompt done."""
+    from trainer.evaluate import per_position_acceptance
+
     shards = work / "eval"
     shards.mkdir(exist_ok=True)
     argv = [a for a in sys.argv[1:] if not a.startswith("--eval-shard")]
@@ -377,6 +379,9 @@ def phase_eval(work: Path, args, settings) -> dict:
         results[name] = {
             "prompts": len(rows), "max_new_tokens": args.eval_tokens,
             "dflashq_tau": round(sum(o["tau"] for o in ours) / len(ours), 3),
+            # rows of an earlier run's shards may lack the passes: the share over the prompts that have them
+            "per_position_acceptance": per_position_acceptance((o["committed"] for o in ours if "committed" in o),
+                                                               settings.train.block_size - 1),
             # the prompts that also ran through the reference loop (--reference-prompts), and both loops on them
             "reference_prompts": len(compared),
             "dflashq_tau_on_those": round(sum(o["tau"] for o, _ in compared) / len(compared), 3) if compared else None,
@@ -399,6 +404,7 @@ def phase_serve(work: Path, args, settings) -> dict:
     max_new_tokens: tau per set against `dflashq eval`'s (the eval phase's rows), per-prompt agreement, vLLM's own
     acceptance figures, and tokens/s with and without the drafter at each --serve-concurrency."""
     from trainer import checkpoint
+    from trainer.evaluate import per_position_acceptance
     from trainer.export import export_path
     from trainer.vllm_eval import evaluate_in_vllm
 
@@ -428,6 +434,10 @@ def phase_serve(work: Path, args, settings) -> dict:
             "vllm_identical_with_and_without_drafter": sum(v["identical"] for _, v in rows),
         }
     summary = {k: v for k, v in report.items() if k not in ("per_prompt", "target", "drafter")}
+    # beside vLLM's per_position_acceptance (its counters, both sets pooled): ours on the same prompts
+    ours = [done[(name, i)]["dflashq"] for i, name in order]
+    summary["dflashq_per_position_acceptance"] = per_position_acceptance(
+        (o["committed"] for o in ours if "committed" in o), settings.train.block_size - 1)
     return {**summary, "sets": per_set}
 
 

@@ -187,6 +187,8 @@ def test_quality_benchmark_runs_every_phase_and_resumes(tiny_quality_run, tmp_pa
         assert result["prompts"] == 2 and result["lossless_checked"] == result["lossless"] == 2
         assert result["per_prompt_tau_equal"] == result["per_prompt_text_equal"] == 2
         assert result["dflashq_tau"] == result["reference_tau"] >= 1.0
+        shares = result["per_position_acceptance"]  # one per draft slot (block 4), never rising along the block
+        assert len(shares) == 3 and all(1 >= a >= b >= 0 for a, b in zip(shares, shares[1:]))
     # the goal's verdict: every device phase's minutes (the prompts are the CPU's), their total, and the taus beside it
     e2e = report["end_to_end"]
     assert e2e["minutes"] == {p: round(report[p]["seconds"] / 60, 2) for p in ("model", "regenerate", "up", "eval")}

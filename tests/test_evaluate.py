@@ -14,7 +14,7 @@ from trainer.anchors import gather_blocks, sample_anchors
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from dflashq.capture import HiddenStateCapture
 from trainer.evaluate import (accept_length, evaluate_blobs, evaluate_prompts, greedy_generate,
-                              read_prompts, speculative_generate, target_head)
+                              per_position_acceptance, read_prompts, speculative_generate, target_head)
 from trainer.export import export_drafter
 from trainer.loss import dflash_loss
 from trainer.step import Batch, Blocks, backward
@@ -37,6 +37,17 @@ def make_drafter(model_dir: str, block_size: int, num_layers: int = 1, **overrid
 @pytest.fixture(scope="module")
 def qwen35(tiny_qwen35):
     return load_target(tiny_qwen35)
+
+
+def test_per_position_acceptance_counts_passes_that_accepted_each_draft_slot():
+    # passes committing 3, 1 and 2 tokens: 2, 0 and 1 drafts accepted
+    assert per_position_acceptance([[3, 1], [2]], draft_slots=3) == [round(2 / 3, 4), round(1 / 3, 4), 0.0]
+    assert per_position_acceptance([[8] * 5], draft_slots=7) == [1.0] * 7  # every draft accepted, as vLLM counts it
+    assert per_position_acceptance([[], []], draft_slots=3) == []
+    # pooled over passes, 1 + the shares is the mean tokens a pass commits
+    committed = [[4, 1, 2, 4], [3, 1]]
+    passes = [n for one in committed for n in one]
+    assert 1 + sum(per_position_acceptance(committed, 3)) == pytest.approx(sum(passes) / len(passes), abs=1e-3)
 
 
 def test_accept_length():
@@ -116,6 +127,9 @@ def test_evaluate_prompts_reports_tau_and_lossless(qwen35, tiny_qwen35, tmp_path
         assert entry["lossless"] and entry["first_mismatch"] is None
         assert entry["new_tokens"] == 8 and entry["tau"] >= 1.0
     assert report["mean_tau"] == sum(e["tau"] for e in report["prompts"]) / 2 and report["lossless_checked"] == 2
+    for entry in report["prompts"]:  # every pass's committed tokens, the first token (the prefill's) in none
+        assert len(entry["committed"]) == entry["passes"] and sum(entry["committed"]) == 8 - 1
+    assert report["per_position_acceptance"] == per_position_acceptance([e["committed"] for e in report["prompts"]], 3)
     # the greedy reference only for the first prompt: the same drafts, the second left unchecked
     partial = evaluate_prompts(tiny_qwen35, exported, prompts, max_new_tokens=8, device="cpu", lossless_prompts=1)
     assert [e["lossless"] for e in partial["prompts"]] == [True, None] and partial["lossless_checked"] == 1
@@ -136,6 +150,7 @@ def test_eval_command_shows_progress_then_the_table(tiny_qwen35, tmp_path):
     assert result.exit_code == 0, result.output
     assert "3/3 prompts" in result.stderr and "mean tau" in result.stderr  # the bar, on stderr
     assert "speculative decoding: mean tau" in result.stdout and "3/3" not in result.stdout
+    assert "acceptance per draft position: [" in result.stdout
     quiet = CliRunner().invoke(main, args + ["--no-progress", "--json"])
     assert quiet.exit_code == 0 and "prompts" not in quiet.stderr and len(json.loads(quiet.stdout)["prompts"]) == 3
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,16 @@ def accept_length(proposals: list[int], target_greedy: list[int]) -> int:
     while n < len(proposals) and n < len(target_greedy) and proposals[n] == target_greedy[n]:
         n += 1
     return n
+
+
+def per_position_acceptance(committed: Iterable[list[int]], draft_slots: int) -> list[float]:
+    """The share of verification passes, pooled over prompts, whose k-th draft token (k = 1..draft_slots) was
+    accepted, from each pass's committed tokens (its accepted drafts and the target's own token): as vLLM's
+    per-position counters count, except that a pass cut by EOS or max_new_tokens counts only what it committed."""
+    passes = [n for one in committed for n in one]
+    if not passes:
+        return []
+    return [round(sum(n > k for n in passes) / len(passes), 4) for k in range(1, draft_slots + 1)]
 
 
 def _done(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
@@ -201,6 +212,7 @@ class PromptEvaluator:
             "text": self.tokenizer.decode(spec.tokens),
             "tau": spec.tau,
             "passes": len(spec.committed),
+            "committed": spec.committed,
             "new_tokens": len(spec.tokens),
             "lossless": mismatch is None if check_lossless else None,
             "first_mismatch": mismatch,
@@ -241,6 +253,8 @@ def evaluate_prompts(target_path: str, drafter_dir: str | Path, prompts: list[st
         "drafter": str(drafter_dir),
         "max_new_tokens": max_new_tokens,
         "mean_tau": sum(r["tau"] for r in results) / len(results) if results else 0.0,
+        "per_position_acceptance": per_position_acceptance((r["committed"] for r in results),
+                                                           evaluator.drafter.config.block_size - 1),
         "lossless": all(r["lossless"] is not False for r in results),
         "lossless_checked": sum(r["lossless"] is not None for r in results),
         "prompts": results,

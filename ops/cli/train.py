@@ -128,6 +128,7 @@ def evaluate(drafter_dir, target, prompts_file, blob_paths, max_new_tokens, num_
             for i, r in enumerate(report["prompts"]):
                 table.add_row(str(i), f"{r['tau']:.3f}", str(r["passes"]), str(r["new_tokens"]), str(r["lossless"]))
             console.print(table)
+            console.print(f"acceptance per draft position: {report['per_position_acceptance']}")
         if not report["lossless"]:
             raise DflashqError("Speculative output differs from plain greedy decoding: this is a bug, please report it with the prompts.")
         return
