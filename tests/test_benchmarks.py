@@ -545,3 +545,24 @@ def test_quality_eval_shards_balance_the_decoding_loops_each_shard_runs():
     # --reference-prompts left out: the reference loop on every prompt
     everywhere = eval_shards(prompt_sets, argparse.Namespace(reference_prompts=None, lossless_prompts=0, eval_processes=3))
     assert sorted(collections.Counter(everywhere.values()).values()) == [81, 81, 82]
+
+
+@pytest.mark.slow
+def test_quality_benchmark_trains_dflash2_on_the_same_records(tiny_quality_run, tmp_path):
+    """DFlash2 against DFlash as the benchmark compares them: `--architecture dflash2` from the same model, prompts
+    and regenerated records as the DFlash run, the same epochs and seed; `up` trains and exports a DFlash2 drafter,
+    and its eval agrees with the reference package's DFlash2 loop on every prompt."""
+    from trainer import checkpoint
+    from trainer.export import export_path
+
+    a, first = tiny_quality_run
+    work = copy_quality_run(a, tmp_path / "dflash2", ("model", "prompts", "regenerate"))
+    report, _ = bench("quality.py", "--tiny", "--work", str(work), "--architecture", "dflash2")
+    exported = export_path(checkpoint.latest(work / "runs" / "quality" / "checkpoints"))
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    assert report["up"]["steps"] == first["up"]["steps"]  # the same chunks, epochs and steps as the DFlash run
+    for name in ("mt_bench", "humaneval"):
+        result = report["eval"][name]
+        assert result["per_prompt_tau_equal"] == result["per_prompt_text_equal"] == result["prompts"] == 2
+        assert result["lossless_checked"] == result["lossless"] == 2
+        assert len(result["per_position_acceptance"]) == len(first["eval"][name]["per_position_acceptance"]) == 3
