@@ -45,16 +45,16 @@ def test_the_prefill_token_is_no_pass_and_a_pass_counts_only_up_to_eos_and_max_n
 
 
 def test_report_counts_per_prompt_and_keeps_vllms_pooled_figure_apart():
-    def level(concurrency, tokens, wall, deltas=None):
-        entry = {"concurrency": concurrency, "prompts": 2, "tokens": tokens, "wall_s": wall}
+    def level(concurrency, tokens, wall, deltas=None, steps=None):
+        entry = {"concurrency": concurrency, "prompts": 2, "tokens": tokens, "wall_s": wall, "steps": steps}
         if deltas is not None:
             entry.update(token_ids=[[0] * sum(d) for d in deltas], deltas=deltas)
         return entry
 
-    target = {"init_s": 1.0, "levels": [level(1, 30, 3.0), level(8, 30, 1.0, [[1] * 15, [1] * 15])]}
+    target = {"init_s": 1.0, "levels": [level(1, 30, 3.0, steps=30), level(8, 30, 1.0, [[1] * 15, [1] * 15])]}
     # prompt 0: passes 8, 8 (tau 8); prompt 1: a pass of 8 and a last one cut at EOS after 3 of its 8 (tau 5.5)
     dflash = {"init_s": 2.0, "vllm_version": "0.26.0", "device": "test", "levels": [
-        level(1, 30, 1.0), level(8, 30, 0.5, [[1, 8, 8], [1, 8, 3]])],
+        level(1, 30, 1.0, steps=8), level(8, 30, 0.5, [[1, 8, 8], [1, 8, 3]])],
         # four drafts of 7 tokens, all accepted: vLLM also counts the 5 accepted past EOS
         "counters": {"drafts": 4, "draft_tokens": 28, "accepted": 28, "accepted_per_pos": [4] * 7}}
     report = summarize(target, dflash, (["a", "b"], ["a", "c"]))
@@ -63,6 +63,10 @@ def test_report_counts_per_prompt_and_keeps_vllms_pooled_figure_apart():
     assert report["identical_text"] == 1 and [p["identical"] for p in report["per_prompt"]] == [True, False]
     assert [(s["concurrency"], s["speedup"]) for s in report["speed"]] == [(1, 3.0), (8, 2.0)]
     assert [p["passes"] for p in report["per_prompt"]] == [2, 2]
+    # c=1: 100 ms a decode step alone, 125 ms a step with the drafter: at most a fifth of a pass is the drafter's
+    one = report["speed"][0]
+    assert (one["target_ms_per_step"], one["dflash_ms_per_step"], one["drafter_share_of_pass_at_most"]) == (100.0, 125.0, 0.2)
+    assert "target_ms_per_step" not in report["speed"][1]  # steps not counted there: nothing made up
 
 
 # --- the target as vLLM loads it -------------------------------------------------------------------------------

@@ -60,6 +60,18 @@ def drafter_block_size(drafter_dir: str | Path) -> int:
     return int(block)
 
 
+def pass_costs(base: dict, spec: dict) -> dict:
+    """What bounds the speedup at one concurrency: the time of an engine step of the target alone (a decode forward)
+    and with the drafter (the drafter's forward, then the target verifying a block). Verifying a block costs at least
+    a decode forward, so 1 - their ratio is at most the drafter's (and the spec-decode bookkeeping's) share of a pass;
+    the speedup is tau times their ratio."""
+    if not base.get("steps") or not spec.get("steps"):
+        return {}
+    target_ms, dflash_ms = 1000 * base["wall_s"] / base["steps"], 1000 * spec["wall_s"] / spec["steps"]
+    return {"target_ms_per_step": round(target_ms, 3), "dflash_ms_per_step": round(dflash_ms, 3),
+            "drafter_share_of_pass_at_most": round(max(0.0, 1 - target_ms / dflash_ms), 3)}
+
+
 def summarize(target: dict, dflash: dict, texts: tuple[list[str], list[str]]) -> dict:
     """The report from the two engines' results (each: per level, token ids and deltas; dflash also counters)."""
     full = dflash["levels"][-1]  # the largest concurrency, which decodes every prompt
@@ -74,7 +86,8 @@ def summarize(target: dict, dflash: dict, texts: tuple[list[str], list[str]]) ->
                       "target_tokens_per_s": round(base["tokens"] / base["wall_s"], 1),
                       "dflash_tokens_per_s": round(spec["tokens"] / spec["wall_s"], 1),
                       "speedup": round((spec["tokens"] / spec["wall_s"]) / (base["tokens"] / base["wall_s"]), 3),
-                      "target_wall_s": round(base["wall_s"], 2), "dflash_wall_s": round(spec["wall_s"], 2)})
+                      "target_wall_s": round(base["wall_s"], 2), "dflash_wall_s": round(spec["wall_s"], 2),
+                      **pass_costs(base, spec)})
     all_passes = [n for p in passes for n in p]
     return {
         "engine": "vllm", "vllm_version": dflash["vllm_version"], "device": dflash["device"],
@@ -165,7 +178,7 @@ def _run_child(job: dict, work: str, device: str) -> dict:
 # --- a child: one engine ------------------------------------------------------------------------------------
 def _closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str, on_done=None):
     """Decode every prompt keeping `concurrency` requests in flight; per prompt the generated ids and the size of
-    each step's non-empty output delta; and the wall time."""
+    each step's non-empty output delta; the wall time and the engine steps taken (each one target forward)."""
     tokens = [[] for _ in prompt_ids]
     deltas = [[] for _ in prompt_ids]
     queue = iter(range(len(prompt_ids)))
@@ -176,11 +189,12 @@ def _closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, 
             engine.add_request(f"{tag}-{index}", {"prompt_token_ids": prompt_ids[index]}, params)
         return index is not None
 
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), 0
     for _ in range(concurrency):
         if not add():
             break
     while engine.has_unfinished_requests():
+        steps += 1
         for out in engine.step():
             index = int(out.request_id.rsplit("-", 1)[1])
             new = list(out.outputs[0].token_ids)
@@ -191,7 +205,7 @@ def _closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, 
                 add()
                 if on_done:
                     on_done()
-    return tokens, deltas, time.perf_counter() - start
+    return tokens, deltas, time.perf_counter() - start, steps
 
 
 def _counters(llm) -> dict:
@@ -257,9 +271,10 @@ def _child(job_file: str) -> None:
             if last and before is not None:
                 before = _counters(llm)
             task = bar.add_task("decode", total=len(rows), c=level)
-            tokens, deltas, wall = _closed_loop(engine, rows, level, params(job["max_new_tokens"]), f"c{level}",
-                                                lambda: bar.advance(task))
-            entry = {"concurrency": level, "prompts": len(rows), "tokens": sum(map(len, tokens)), "wall_s": wall}
+            tokens, deltas, wall, steps = _closed_loop(engine, rows, level, params(job["max_new_tokens"]),
+                                                       f"c{level}", lambda: bar.advance(task))
+            entry = {"concurrency": level, "prompts": len(rows), "tokens": sum(map(len, tokens)), "wall_s": wall,
+                     "steps": steps}
             if last:
                 entry.update(token_ids=tokens, deltas=deltas)
             result["levels"].append(entry)

@@ -169,11 +169,14 @@ def _evaluate_in_vllm(drafter_dir, target, prompts_file, max_new_tokens, device,
                   f"{report['identical_text']} of {report['prompts']}")
     console.print(f"acceptance per draft position: {report['per_position_acceptance']}")
     table = Table(title="generated tokens/s")
-    for col in ("concurrency", "prompts", "target alone", "with drafter", "speedup"):
+    for col in ("concurrency", "prompts", "target alone", "with drafter", "speedup", "ms/step alone",
+                "ms/step with drafter", "drafter's share of a pass, at most"):
         table.add_column(col)
     for row in report["speed"]:
         table.add_row(str(row["concurrency"]), str(row["prompts"]), f"{row['target_tokens_per_s']:,.0f}",
-                      f"{row['dflash_tokens_per_s']:,.0f}", f"{row['speedup']:.2f}x")
+                      f"{row['dflash_tokens_per_s']:,.0f}", f"{row['speedup']:.2f}x",
+                      *(f"{row[k]:.2f}" if k in row else "-" for k in ("target_ms_per_step", "dflash_ms_per_step",
+                                                                         "drafter_share_of_pass_at_most")))
     console.print(table)
 
 
