@@ -357,8 +357,6 @@ def phase_eval(work: Path, args, settings) -> dict:
     """Both loops on every prompt, in `--eval-processes` processes sharing the device: at batch size 1 a small target
     leaves the GPU mostly idle between kernel launches, so shards overlap. Prompts go to shards by eval_shards; each
     shard writes a line per prompt as it finishes, so a rerun goes on from the last prompt done."""
-    from trainer.evaluate import per_position_acceptance
-
     shards = work / "eval"
     shards.mkdir(exist_ok=True)
     argv = [a for a in sys.argv[1:] if not a.startswith("--eval-shard")]
@@ -367,9 +365,7 @@ def phase_eval(work: Path, args, settings) -> dict:
     failed = [i for i, proc in enumerate(procs) if proc.wait() != 0]
     if failed:
         sys.exit(f"eval shards {failed} failed; run again (the prompts done are kept in {shards})")
-    done = {}
-    for i in range(args.eval_processes):
-        done.update(shard_rows(shards / f"shard-{i}.jsonl"))
+    done = eval_rows(work, args)
     results = {}
     for name, prompts in eval_prompt_sets(args.eval_prompts).items():
         rows = [done[(name, i)] for i in range(len(prompts))]
@@ -379,9 +375,7 @@ def phase_eval(work: Path, args, settings) -> dict:
         results[name] = {
             "prompts": len(rows), "max_new_tokens": args.eval_tokens,
             "dflashq_tau": round(sum(o["tau"] for o in ours) / len(ours), 3),
-            # rows of an earlier run's shards may lack the passes: the share over the prompts that have them
-            "per_position_acceptance": per_position_acceptance((o["committed"] for o in ours if "committed" in o),
-                                                               settings.train.block_size - 1),
+            "per_position_acceptance": acceptance_per_position(ours, settings),
             # the prompts that also ran through the reference loop (--reference-prompts), and both loops on them
             "reference_prompts": len(compared),
             "dflashq_tau_on_those": round(sum(o["tau"] for o, _ in compared) / len(compared), 3) if compared else None,
@@ -404,7 +398,6 @@ def phase_serve(work: Path, args, settings) -> dict:
     max_new_tokens: tau per set against `dflashq eval`'s (the eval phase's rows), per-prompt agreement, vLLM's own
     acceptance figures, and tokens/s with and without the drafter at each --serve-concurrency."""
     from trainer import checkpoint
-    from trainer.evaluate import per_position_acceptance
     from trainer.export import export_path
     from trainer.vllm_eval import evaluate_in_vllm
 
@@ -417,9 +410,7 @@ def phase_serve(work: Path, args, settings) -> dict:
                               [int(c) for c in args.serve_concurrency.split(",")], args.serve_speed_prompts,
                               args.device, capture_states=args.serve_capture_states)
     (work / "serve.json").write_text(json.dumps(report))
-    done = {}
-    for i in range(args.eval_processes):
-        done.update(shard_rows(work / "eval" / f"shard-{i}.jsonl"))
+    done = eval_rows(work, args)
     per_set = {}
     for name in sets:
         rows = [(done[(name, i)]["dflashq"], report["per_prompt"][k]) for k, (i, n) in enumerate(order) if n == name]
@@ -435,10 +426,25 @@ def phase_serve(work: Path, args, settings) -> dict:
         }
     summary = {k: v for k, v in report.items() if k not in ("per_prompt", "target", "drafter")}
     # beside vLLM's per_position_acceptance (its counters, both sets pooled): ours on the same prompts
-    ours = [done[(name, i)]["dflashq"] for i, name in order]
-    summary["dflashq_per_position_acceptance"] = per_position_acceptance(
-        (o["committed"] for o in ours if "committed" in o), settings.train.block_size - 1)
+    summary["dflashq_per_position_acceptance"] = acceptance_per_position([done[(name, i)]["dflashq"]
+                                                                          for i, name in order], settings)
     return {**summary, "sets": per_set}
+
+
+def eval_rows(work: Path, args) -> dict[tuple[str, int], dict]:
+    """Every shard's finished prompts, by (benchmark, prompt index)."""
+    done = {}
+    for i in range(args.eval_processes):
+        done.update(shard_rows(work / "eval" / f"shard-{i}.jsonl"))
+    return done
+
+
+def acceptance_per_position(ours: list[dict], settings) -> list[float]:
+    """dflashq eval's acceptance per draft position over these prompt rows; rows of an earlier run's shards may lack
+    the passes, so it is the share over the rows that have them."""
+    from trainer.evaluate import per_position_acceptance
+
+    return per_position_acceptance((o["committed"] for o in ours if "committed" in o), settings.train.block_size - 1)
 
 
 def shard_rows(path: Path) -> dict[tuple[str, int], dict]:

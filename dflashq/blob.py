@@ -28,7 +28,7 @@ import torch
 import zstandard
 
 from dflashq import defaults
-from dflashq.blob_format import CODEC_VERSIONS, FORMAT, FORMAT_VERSION
+from dflashq.blob_format import CODEC_VERSIONS, FORMAT
 from dflashq.exceptions import BlobError
 from dflashq.layer_ids import CONVENTION
 

@@ -188,6 +188,7 @@ class TransformersEngine:
                                   generation_config=self.generation_config)
         return out[:, width:].tolist()
 
+
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """K and V of one token in every layer that caches them: linear-attention layers keep a fixed-size state and are
     not counted; sliding-window layers are, as an upper bound."""
@@ -326,4 +327,3 @@ def _parse_completion(body) -> Reply:
     usage = body.get("usage") or {}
     return Reply(content, reasoning, calls, tokens=int(usage.get("completion_tokens") or 0),
                  truncated=choice.get("finish_reason") == "length")
-

@@ -270,8 +270,13 @@ def _progress(enabled: bool) -> Progress:
 
 
 def open_engine(settings: Settings, name: str, device: str | None = None, endpoint: str | None = None) -> Engine:
-    """The engine `name` (endpoint, transformers or vllm), a context manager that frees what it holds: `dflashq regenerate` and the
-    quality benchmark choose through this one place. `device`: cuda:0 where a GPU is visible, else the CPU."""
+    """The engine `name` (endpoint, transformers or vllm), a context manager that frees what it holds: `dflashq
+    regenerate` and the quality benchmark choose through this one place. `device`: cuda:0 where a GPU is visible,
+    else the CPU. Without vLLM installed, vllm fails here in one sentence, before torch and the tokenizer load."""
+    if name == "vllm":
+        from dflashq.vllm_target import require_vllm
+
+        require_vllm()
     import torch  # the engines bring torch; checking the paths first (resolve_inputs) does not need it
 
     from producers.engines import EndpointEngine

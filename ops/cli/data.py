@@ -37,10 +37,6 @@ def regenerate(settings, inputs, out, endpoint, engine_name, device, concurrency
     if processes is not None:
         settings.set("regenerate.processes", processes)
     resolve_inputs(settings, inputs, out)  # a wrong path fails before torch is imported and a model loads
-    if engine_name == "vllm":
-        from dflashq.vllm_target import require_vllm
-
-        require_vllm()
     engine = open_engine(settings, engine_name, device, endpoint)
     with engine:
         report = run_regenerate(settings, list(inputs), out, engine, progress=not no_progress)
